@@ -1,0 +1,1 @@
+"""sdpatch's Triton kernels (installed as ``sdpatch.kernels``). Importing this needs triton."""

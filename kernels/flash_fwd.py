@@ -1,0 +1,247 @@
+"""FlashAttention-2-style forward kernel: online softmax over key blocks, fp32 accumulation.
+
+The (Nq, Nk) score matrix lives only in registers, one (BLOCK_M, BLOCK_N) tile at a time.
+Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to BLOCK_D inside the kernel,
+never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
+through zero strides.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1/ln 2: exp(x) = exp2(x * LOG2E)
+MAX_HEAD_DIM = 256
+MAX_GRID_Y = 65535  # CUDA's limit on grid dims y and z
+
+# Mask kinds (constexpr MASK_KIND).
+NO_MASK, ADDITIVE_MASK, BOOL_MASK = 0, 1, 2
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Mask, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, BH, N_Q, N_K,
+    qk_scale,  # softmax scale * LOG2E: scores are kept in base 2
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    EVEN_N: tl.constexpr,  # N_K % BLOCK_N == 0: no key-tail masking
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
+):
+    # -- which (batch, head) and query block -------------------------------------------
+    # B*H is spread over grid dims 1 and 2 so that it can exceed 65,535.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    if pid_bh >= BH:
+        return
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < N_Q
+    d_valid = offs_d < HEAD_DIM
+    rows = offs_m.to(tl.int64)  # row offsets can pass 2^31 at long sequences and wide strides
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    # K is read transposed, (BLOCK_D, BLOCK_N), so the score tile is a plain dot.
+    k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if MASK_KIND != 0:
+        mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
+
+    q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for start_n in range(0, N_K, BLOCK_N):
+        n_valid = (start_n + offs_n) < N_K
+        # -- compute qk ------------------------------------------------------------------
+        if EVEN_N:
+            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASK_KIND == 1:
+            bias = tl.load(mask_ptrs, mask=m_valid[:, None] & n_valid[None, :], other=0.0)
+            qk += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias joins base-2 scores
+        if MASK_KIND == 2:
+            keep = tl.load(mask_ptrs, mask=m_valid[:, None] & n_valid[None, :], other=0)
+            qk = tl.where(keep != 0, qk, float("-inf"))
+        if not EVEN_N:
+            qk = tl.where(n_valid[None, :], qk, float("-inf"))
+
+        # -- online softmax --------------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with every key so far masked keeps m = -inf; subtract 0 so that it stays 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+
+        # -- accumulate p @ v -------------------------------------------------------------
+        if EVEN_N:
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        if MASK_KIND != 0:
+            mask_ptrs += BLOCK_N * stride_mn
+
+    # -- epilogue: normalize; fully masked rows (l = 0) give zeros ---------------------------
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    if STORE_LSE:
+        # Base-2 log-sum-exp of the scaled scores; -inf for fully masked rows.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=m_valid)
+
+
+def _configs():
+    """Autotune space for the GPU: (BLOCK_M, BLOCK_N, warps, stages)."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (128, 64, 4, 3),
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+            (64, 64, 4, 3),
+            (128, 32, 4, 4),
+            (64, 32, 4, 3),
+        ]
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose tiles cannot fit (wide heads) or only waste work (short sequences)."""
+    block_d, n_q = kwargs["BLOCK_D"], named_args["N_Q"]
+    kept = [
+        c
+        for c in configs
+        if not (block_d >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)
+        and not (n_q <= 64 and c.kwargs["BLOCK_M"] > 64)
+    ]
+    return kept or configs[-1:]
+
+
+# Autotune key: sequence lengths and head dim; the tiles that win change with each.
+_attn_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["N_Q", "N_K", "HEAD_DIM", "MASK_KIND"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_attn_fwd_kernel)
+
+# The interpreter cannot autotune without a GPU driver: one fixed small config, which also
+# exercises the tail masking on small test shapes.
+_INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
+    """Row blocks on grid dim 0 (limit 2^31 - 1); B*H over dims 1 and 2 (65,535 each)."""
+    return triton.cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), triton.cdiv(bh, MAX_GRID_Y)
+
+
+def _mask_kind(mask: torch.Tensor | None) -> int:
+    if mask is None:
+        return NO_MASK
+    return BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
+
+
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel.
+
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; mask: bool (True = keep) or additive,
+    4-D and broadcastable to (B, H, Nq, Nk) (size-1 dims are read with stride 0).
+    Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
+    base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
+    """
+    assert q.ndim == k.ndim == v.ndim == 4, "q, k, v must be 4-D (B, H, N, D)"
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    assert k.shape == v.shape == (B, H, Nk, D), f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, Nk, {D})"
+    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
+    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    assert Nq >= 1 and Nk >= 1 and B * H >= 1, "empty sequence or batch"
+    if mask is not None:
+        assert mask.ndim == 4, "mask must be 4-D; broadcast dims of size 1"
+        mask = mask.expand(B, H, Nq, Nk)  # a view: broadcast dims get stride 0
+        assert mask.device == q.device, "mask must be on q's device"
+
+    out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
+    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32) if return_lse else None
+    ms = mask.stride() if mask is not None else (0, 0, 0, 0)
+    BH = B * H
+    args = (
+        q, k, v, mask, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        H, BH, Nq, Nk,
+        scale * LOG2E,
+    )
+    meta = dict(
+        HEAD_DIM=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        MASK_KIND=_mask_kind(mask),
+        STORE_LSE=return_lse,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+    def grid(META):
+        return launch_grid(Nq, BH, META["BLOCK_M"])
+
+    if interpreting():
+        cfg = _INTERPRET_CONFIG
+        meta["EVEN_N"] = Nk % cfg["BLOCK_N"] == 0
+        meta["DOT_FP32"] = q.dtype == torch.bfloat16
+        _attn_fwd_kernel[grid(cfg)](*args, **meta, **cfg)
+    else:
+        # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
+        meta["EVEN_N"] = Nk % 128 == 0
+        meta["DOT_FP32"] = False
+        _attn_fwd_tuned[grid](*args, **meta)
+    return out, lse
+
+
+__all__ = ["flash_attn_fwd", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

@@ -1,0 +1,183 @@
+"""Chunked-query attention in plain PyTorch: the fallback for every device and head dim.
+
+The score matrix is never held whole. Queries (and, when one query row of every head is
+already over budget, heads and batch entries) are processed in chunks whose score buffer
+fits a byte budget. One buffer is allocated up front and reused: scores are written into it
+by ``matmul(out=...)``, the softmax runs in place, and each chunk's result lands directly in
+a preallocated output.
+
+The backward pass recomputes each chunk's probabilities from the saved log-sum-exp, so
+training through this path also stays within the budget instead of keeping a score matrix
+per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+DEFAULT_CHUNK_BUDGET = 256 * 2**20  # bytes of score buffer; 256 MiB keeps matmuls large on GPUs
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a (B, H, Nq, Nk) score tensor is cut: chunks of (batch, heads, queries)."""
+
+    batch: int
+    heads: int
+    queries: int
+
+    def slices(self, B: int, H: int, Nq: int):
+        for b, h, m in product(range(0, B, self.batch), range(0, H, self.heads), range(0, Nq, self.queries)):
+            yield slice(b, b + self.batch), slice(h, h + self.heads), slice(m, m + self.queries)
+
+
+def plan_chunks(B: int, H: int, Nq: int, Nk: int, elem_bytes: int, budget: int) -> ChunkPlan:
+    """Largest chunk whose score buffer (batch * heads * queries * Nk * elem_bytes) fits ``budget``.
+
+    Whole query rows are the unit; a single row is the floor, whatever the budget.
+    """
+    rows = max(1, budget // max(1, Nk * elem_bytes))
+    if rows >= H * Nq:
+        return ChunkPlan(min(B, rows // (H * Nq)), H, Nq)
+    if rows >= Nq:
+        return ChunkPlan(1, rows // Nq, Nq)
+    return ChunkPlan(1, 1, rows)
+
+
+def dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(..., Nq, 1) flags of query rows whose keys are all masked out (they get zeros)."""
+    if mask.dtype == torch.bool:
+        return ~mask.any(-1, keepdim=True)
+    return (mask == float("-inf")).all(-1, keepdim=True)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _score_dtype(dtype: torch.dtype, device: torch.device, upcast: bool) -> torch.dtype:
+    # CPU half-precision matmuls are slow and lose range; fp32 there costs nothing extra.
+    if dtype in (torch.float16, torch.bfloat16) and (upcast or device.type == "cpu"):
+        return torch.float32
+    return dtype
+
+
+def _scores(q, k, scale, mask, out):
+    """out <- scale * q @ k^T (+ mask); masked-out entries become -inf."""
+    torch.matmul(q.to(out.dtype), k.to(out.dtype).transpose(-1, -2), out=out)
+    out.mul_(scale)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            out.masked_fill_(~mask, float("-inf"))
+        else:
+            out.add_(mask)
+    return out
+
+
+def _mask_chunk(mask, bs, hs, ms):
+    if mask is None:
+        return None
+    # A broadcast (size-1) dimension is indexed whole, so the slice keeps broadcasting.
+    idx = tuple(slice(None) if mask.shape[i] == 1 else s for i, s in enumerate((bs, hs, ms)))
+    return mask[idx]
+
+
+class _Buffer:
+    """One flat allocation, viewed contiguously at each chunk's shape (the last chunk may be smaller)."""
+
+    def __init__(self, plan: ChunkPlan, Nk: int, device: torch.device, dtype: torch.dtype):
+        self.flat = torch.empty(plan.batch * plan.heads * plan.queries * Nk, device=device, dtype=dtype)
+        self.Nk = Nk
+
+    def view(self, chunk: torch.Tensor) -> torch.Tensor:
+        shape = (*chunk.shape[:3], self.Nk)
+        return self.flat[: shape[0] * shape[1] * shape[2] * self.Nk].view(shape)
+
+
+def _forward(q, k, v, scale, mask, plan, score_dtype, with_lse):
+    B, H, Nq, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Nq, 1), device=q.device, dtype=_acc_dtype(q.dtype)) if with_lse else None
+    buf = _Buffer(plan, k.shape[2], q.device, score_dtype)
+    for bs, hs, ms in plan.slices(B, H, Nq):
+        qc = q[bs, hs, ms]
+        s = buf.view(qc)
+        mc = _mask_chunk(mask, bs, hs, ms)
+        _scores(qc, k[bs, hs], scale, mc, s)
+        if with_lse:
+            lse[bs, hs, ms] = torch.logsumexp(s, -1, keepdim=True)
+        torch.softmax(s, -1, out=s)
+        if mc is not None:
+            s.masked_fill_(dead_rows(mc), 0.0)
+        out[bs, hs, ms] = torch.matmul(s.to(v.dtype), v[bs, hs])
+    return out, lse
+
+
+def _backward(do, q, k, v, out, lse, scale, mask, budget):
+    """Gradients by recomputation, chunk by chunk; two score-sized buffers (P and dP) share the budget."""
+    B, H, Nq, Nk = *q.shape[:3], k.shape[2]
+    f = _acc_dtype(q.dtype)
+    plan = plan_chunks(B, H, Nq, Nk, f.itemsize, budget // 2)
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k, dtype=f)
+    dv = torch.zeros_like(v, dtype=f)
+    delta = (do.to(f) * out.to(f)).sum(-1, keepdim=True)  # rowsum(dO * O), (B, H, Nq, 1)
+    p_buf, dp_buf = _Buffer(plan, Nk, q.device, f), _Buffer(plan, Nk, q.device, f)
+    for bs, hs, ms in plan.slices(B, H, Nq):
+        qc, doc = q[bs, hs, ms].to(f), do[bs, hs, ms].to(f)
+        kc, vc = k[bs, hs].to(f), v[bs, hs].to(f)
+        p, dp = p_buf.view(qc), dp_buf.view(qc)
+        _scores(qc, kc, scale, _mask_chunk(mask, bs, hs, ms), p)
+        lc = lse[bs, hs, ms]
+        # Dead rows have lse = -inf; their probabilities are zero, not exp(-inf + inf).
+        p.sub_(torch.where(torch.isinf(lc), float("inf"), lc)).exp_()
+        dv[bs, hs] += torch.matmul(p.transpose(-1, -2), doc)
+        torch.matmul(doc, vc.transpose(-1, -2), out=dp)
+        p.mul_(dp.sub_(delta[bs, hs, ms]))  # p <- dS = P * (dP - delta)
+        p.mul_(scale)
+        dq[bs, hs, ms] = torch.matmul(p, kc).to(q.dtype)
+        dk[bs, hs] += torch.matmul(p.transpose(-1, -2), qc)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, budget, upcast):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        # Training saves an fp32 log-sum-exp; fp16 scores would make it too coarse for the backward.
+        f = _acc_dtype(q.dtype) if needs_grad else _score_dtype(q.dtype, q.device, upcast)
+        B, H, Nq, _ = q.shape
+        plan = plan_chunks(B, H, Nq, k.shape[2], f.itemsize, budget)
+        out, lse = _forward(q, k, v, scale, mask, plan, f, needs_grad)
+        if needs_grad:
+            ctx.save_for_backward(q, k, v, out, lse, mask)
+            ctx.scale, ctx.budget = scale, budget
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.scale, mask, ctx.budget)
+        return dq, dk, dv, None, None, None, None
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    budget: int | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Chunked exact attention. Inputs are validated by :func:`sdpatch.attention`.
+
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); mask broadcastable to (B, H, Nq, Nk), never expanded.
+    budget: bytes for the score buffer (default :data:`DEFAULT_CHUNK_BUDGET`).
+    upcast: compute scores and softmax in fp32 for fp16/bf16 inputs.
+    """
+    budget = DEFAULT_CHUNK_BUDGET if budget is None else budget
+    return ChunkedAttention.apply(q, k, v, scale, mask, budget, upcast)

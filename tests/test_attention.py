@@ -1,0 +1,230 @@
+"""sdpatch.attention against a float64 reference, for every backend, plus its bad-input errors.
+
+Triton runs under TRITON_INTERPRET=1 (tests/conftest.py) on the CPU, so its shapes stay small.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import sdpatch
+from sdpatch import attention
+from sdpatch.attention import BackendUnavailableError
+from sdpatch.chunked import plan_chunks
+from sdpatch.reference import attention_ref
+
+# Error budget, ||out - ref|| / ||ref||, stated once.
+RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_qkv(B, H, Nq, Nk, D, dtype, layout="contiguous", seed=0):
+    """Random q, k, v in a given memory layout: the views diffusers and users hand over."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        if layout == "bnhd":  # diffusers: (B, N, H*D) viewed and transposed to (B, H, N, D)
+            return torch.randn(B, n, H, D, generator=g).to(dtype).transpose(1, 2)
+        if layout == "sliced":  # a slice of a wider head dim and every other head: no unit strides left
+            return torch.randn(B, 2 * H, n, D + 3, generator=g).to(dtype)[:, ::2, :, 1 : D + 1]
+        return torch.randn(B, H, n, D, generator=g).to(dtype)
+
+    return rand(Nq), rand(Nk), rand(Nk)
+
+
+def make_mask(kind, B, H, Nq, Nk, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "bool":  # broadcast over heads; keep ~70%; one row fully masked
+        m = torch.rand(B, 1, Nq, Nk, generator=g) > 0.3
+        m[:, :, 0, :] = False
+        return m
+    if kind == "additive":  # a (Nq, Nk) bias broadcast over batch and heads, with some -inf
+        a = torch.randn(Nq, Nk, generator=g)
+        a[torch.rand(Nq, Nk, generator=g) > 0.8] = float("-inf")
+        return a.to(dtype)
+    if kind == "padding":  # diffusers' encoder mask: (B, 1, 1, Nk) additive, last keys dropped
+        a = torch.zeros(B, 1, 1, Nk)
+        a[..., Nk // 2 :] = -10000.0
+        return a.to(dtype)
+    raise ValueError(kind)
+
+
+def case(B, H, Nq, Nk, D, dtype, mask="none", layout="contiguous"):
+    cid = f"B{B}-H{H}-N{Nq}" + (f"x{Nk}" if Nk != Nq else "") + f"-D{D}-{dtype}"
+    cid += "" if mask == "none" else f"-{mask}"
+    cid += "" if layout == "contiguous" else f"-{layout}"
+    return pytest.param(B, H, Nq, Nk, D, DT[dtype], mask, layout, id=cid)
+
+
+def check(backend, B, H, Nq, Nk, D, dtype, mask_kind, layout, **kw):
+    q, k, v = make_qkv(B, H, Nq, Nk, D, dtype, layout)
+    mask = make_mask(mask_kind, B, H, Nq, Nk, dtype)
+    out = attention(q, k, v, attn_mask=mask, backend=backend, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = attention_ref(q, k, v, attn_mask=mask)
+    assert rel_err(out, ref) <= RTOL[dtype]
+    if mask_kind == "bool":  # row 0 has every key masked: zeros by convention
+        assert torch.all(out[:, :, 0] == 0)
+    return out
+
+
+# Chunked and sdpa run on the CPU at full test sizes.
+CPU_CASES = [
+    case(2, 8, 77, 77, 40, "fp32"),
+    case(1, 2, 4097, 77, 40, "fp32"),
+    case(1, 1, 1025, 1025, 64, "fp32", "bool"),
+    case(2, 2, 97, 77, 80, "fp16", "padding", "bnhd"),
+    case(2, 2, 97, 97, 160, "bf16", "additive"),
+    case(1, 1, 256, 256, 512, "fp32"),  # SD VAE mid-block: one head of 512
+    case(1, 1, 4097, 4097, 40, "fp16", layout="bnhd"),
+    case(2, 3, 1, 1, 64, "fp32"),
+    case(1, 2, 33, 17, 1, "fp64", "bool", "sliced"),
+    case(2, 4, 65, 77, 40, "fp32", "additive", "sliced"),
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,mask,layout", CPU_CASES)
+@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
+def test_cpu_backends(backend, B, H, Nq, Nk, D, dtype, mask, layout):
+    if backend == "sdpa" and dtype == torch.float16:
+        pytest.skip("CPU SDPA in fp16 is not a reference-grade path")
+    check(backend, B, H, Nq, Nk, D, dtype, mask, layout)
+
+
+@pytest.mark.parametrize("budget", [1, 5000, 200_000, 10**9], ids=lambda b: f"budget{b}")
+def test_chunked_budgets_agree(budget):
+    """Every way of cutting (batch, heads, queries) gives the same answer."""
+    check("chunked", 2, 3, 37, 29, 16, torch.float32, "bool", "bnhd", chunk_budget=budget)
+
+
+@pytest.mark.parametrize(
+    "B,H,Nq,Nk,budget,expect",
+    [
+        (2, 8, 4096, 4096, 2**40, (2, 8, 4096)),
+        (2, 8, 4096, 4096, 8 * 4096 * 4096 * 4, (1, 8, 4096)),
+        (2, 8, 4096, 4096, 4096 * 4096 * 4 * 3, (1, 3, 4096)),
+        (2, 8, 4096, 4096, 4096 * 4 * 100, (1, 1, 100)),
+        (1, 1, 10, 10**6, 1, (1, 1, 1)),
+    ],
+)
+def test_plan_chunks_fits_budget(B, H, Nq, Nk, budget, expect):
+    plan = plan_chunks(B, H, Nq, Nk, 4, budget)
+    assert (plan.batch, plan.heads, plan.queries) == expect
+    rows = plan.batch * plan.heads * plan.queries
+    assert rows == 1 or rows * Nk * 4 <= budget
+
+
+# Triton through the interpreter: small shapes, but every feature: tails, head dims, masks, strides.
+TRITON_CASES = [
+    case(2, 2, 33, 33, 40, "fp16"),
+    case(1, 2, 77, 77, 64, "fp16", "bool"),
+    case(2, 1, 17, 77, 80, "bf16", "padding", "bnhd"),
+    case(1, 1, 20, 19, 160, "fp32", "additive"),
+    case(1, 1, 1025, 17, 40, "fp16"),
+    case(1, 1, 5, 97, 40, "fp32", "bool", "sliced"),
+    case(1, 2, 9, 16, 256, "bf16"),
+    case(2, 1, 1, 1, 1, "fp32"),
+    case(1, 1, 16, 32, 24, "fp32", "additive", "bnhd"),
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,mask,layout", TRITON_CASES)
+def test_triton_interpreted(B, H, Nq, Nk, D, dtype, mask, layout):
+    out = check("triton", B, H, Nq, Nk, D, dtype, mask, layout)
+    q, _, _ = make_qkv(B, H, Nq, Nk, D, dtype, layout)
+    if layout != "sliced":  # dense layouts are kept, so diffusers' reshape after it is free
+        assert out.stride() == q.stride(), "output should keep q's layout"
+
+
+def test_triton_launch_grid_splits_large_batch_heads():
+    from sdpatch.kernels.flash_fwd import launch_grid
+
+    assert launch_grid(2**20, 2**20, 128) == (2**13, 65535, 17)
+    assert launch_grid(77, 16, 64) == (2, 16, 1)
+    # Enough programs for every (batch*head, row block) pair; extra ones exit at once.
+    x, y, z = launch_grid(5, 70000, 16)
+    assert y * z >= 70000 and y <= 65535
+
+
+def test_extreme_scores_stay_finite():
+    """fp16 scores near +-1e4: fp32 accumulation keeps the output finite and exact."""
+    q, k, v = make_qkv(1, 2, 40, 40, 64, torch.float16)
+    q, k = 35 * q.sign(), 35 * k.sign()
+    k[:, :, :5], k[:, :, 5:10] = q[:, :, :5], -q[:, :, 5:10]  # scores of +-9800 on these keys
+    assert (q.float() @ k.float().transpose(-1, -2) / 8).abs().max() > 9e3
+    ref = attention_ref(q, k, v)
+    for backend in ("chunked", "triton"):
+        out = attention(q, k, v, backend=backend)
+        assert torch.isfinite(out).all(), backend
+        assert rel_err(out, ref) <= RTOL[torch.float16], backend
+
+
+def test_empty_batch_gives_empty_output():
+    q, k, v = make_qkv(0, 2, 5, 5, 8, torch.float32)
+    assert attention(q, k, v).shape == (0, 2, 5, 8)
+
+
+def test_auto_and_explain_on_cpu():
+    q, k, v = make_qkv(1, 1, 4, 4, 40, torch.float32)
+    choice = sdpatch.explain(q, k, v)
+    assert choice.name == "chunked" and "CUDA" in choice.reason
+    assert sdpatch.choose_backend(device="cpu", dtype=torch.float16, head_dim=512).name == "chunked"
+    assert sdpatch.backend_status("cpu")["chunked"][0]
+
+
+def test_triton_unavailable_says_why(monkeypatch):
+    with pytest.raises(BackendUnavailableError, match="head dim 512"):
+        sdpatch.choose_backend(device="cpu", dtype=torch.float32, head_dim=512, backend="triton")
+    # The package re-exports the function `attention`, which shadows the module's name.
+    monkeypatch.setattr(importlib.import_module("sdpatch.attention"), "_interpreting", lambda: False)
+    q, k, v = make_qkv(1, 1, 4, 4, 40, torch.float32)
+    with pytest.raises(BackendUnavailableError, match="need a CUDA device"):
+        attention(q, k, v, backend="triton")
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+BAD_INPUTS = [
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(3, 4, 8, 16), v=_t(3, 4, 8, 16)), ValueError, "batch and heads", id="batch-mismatch"),
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(2, 5, 8, 16), v=_t(2, 5, 8, 16)), ValueError, "batch and heads", id="heads-mismatch"),
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 8, 32), v=_t(2, 4, 8, 32)), ValueError, "head dims", id="headdim-mismatch"),
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 8, 16), v=_t(2, 4, 9, 16)), ValueError, "same length", id="kv-length-mismatch"),
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 8, 16, dtype=torch.float16), v=_t(2, 4, 8, 16)), TypeError, "dtype", id="dtype-mismatch"),
+    pytest.param(dict(q=_t(4, 8, 16), k=_t(4, 8, 16), v=_t(4, 8, 16)), ValueError, "4-D", id="ndim3"),
+    pytest.param(dict(q=_t(2, 4, 8, 16), k=_t(2, 4, 0, 16), v=_t(2, 4, 0, 16)), ValueError, "no keys", id="zero-keys"),
+    pytest.param(dict(q=_t(2, 4, 8, 0), k=_t(2, 4, 8, 0), v=_t(2, 4, 8, 0)), ValueError, "head dim is 0", id="zero-headdim"),
+    pytest.param(dict(q=_t(2, 4, 8, 16, dtype=torch.float64).int(), k=_t(2, 4, 8, 16).int(), v=_t(2, 4, 8, 16).int()), TypeError, "unsupported dtype", id="int-dtype"),
+    pytest.param(dict(q=_t(1, 1, 8, 16), k=_t(1, 1, 8, 16), v=_t(1, 1, 8, 16), backend="flash3"), ValueError, "valid backends", id="unknown-backend"),
+    pytest.param(dict(q=_t(1, 1, 8, 16), k=_t(1, 1, 6, 16), v=_t(1, 1, 6, 16), attn_mask=_t(8, 8)), ValueError, "does not broadcast", id="mask-shape"),
+    pytest.param(dict(q=_t(1, 1, 8, 16), k=_t(1, 1, 6, 16), v=_t(1, 1, 6, 16), attn_mask=_t(1, 1, 1, 1, 6)), ValueError, "does not broadcast", id="mask-5d"),
+    pytest.param(dict(q=_t(1, 1, 8, 16), k=_t(1, 1, 6, 16), v=_t(1, 1, 6, 16), attn_mask=torch.ones(8, 6, dtype=torch.int32)), TypeError, "bool", id="mask-int"),
+    pytest.param(dict(q=_t(1, 1, 8, 16), k=_t(1, 1, 6, 16), v=_t(1, 1, 6, 16), scale=float("nan")), ValueError, "scale", id="scale-nan"),
+    pytest.param(dict(q="q", k=_t(1, 1, 6, 16), v=_t(1, 1, 6, 16)), TypeError, "torch.Tensor", id="not-a-tensor"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_INPUTS)
+def test_bad_input(kwargs, exc, match):
+    kwargs = dict(kwargs)
+    q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
+    with pytest.raises(exc, match=match):
+        attention(q, k, v, **kwargs)
+
+
+def test_bad_input_on_meta_device_mismatch():
+    q = _t(1, 1, 4, 8)
+    k = torch.empty(1, 1, 4, 8, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        attention(q, k, k)
