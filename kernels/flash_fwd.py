@@ -176,7 +176,7 @@ def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
     return triton.cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), triton.cdiv(bh, MAX_GRID_Y)
 
 
-def _mask_kind(mask: torch.Tensor | None) -> int:
+def mask_kind(mask: torch.Tensor | None) -> int:
     if mask is None:
         return NO_MASK
     return BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
@@ -223,7 +223,7 @@ def flash_attn_fwd(
     meta = dict(
         HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
-        MASK_KIND=_mask_kind(mask),
+        MASK_KIND=mask_kind(mask),
         STORE_LSE=return_lse,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
