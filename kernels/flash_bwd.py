@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, interpreting, launch_grid, mask_kind
+from .flash_fwd import LOG2E, MAX_HEAD_DIM, interpreting, launch_grid, mask_kind, vector_align
 
 
 @triton.jit
@@ -78,6 +78,7 @@ def _bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
+    ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
@@ -94,17 +95,20 @@ def _bwd_dkdv_kernel(
     cols = offs_n.to(tl.int64)
     nd_valid = n_valid[:, None] & d_valid[None, :]
 
-    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=nd_valid, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=nd_valid, other=0.0)
+    # Offsets hinted as multiples of ALIGN: vector loads at head dims 40 and 80 (see the forward).
+    k = tl.load(K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
+                + tl.multiple_of(cols * stride_kn, ALIGN)[:, None] + offs_d[None, :] * stride_kd, mask=nd_valid, other=0.0)
+    v = tl.load(V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
+                + tl.multiple_of(cols * stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd, mask=nd_valid, other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
     # Query-side tiles are read transposed, (BLOCK_D, BLOCK_M), so every product is a plain dot.
-    qT_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd
-    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    qT_ptrs = (Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
+               + tl.multiple_of(offs_m * stride_qm, ALIGN)[None, :] + offs_d[:, None] * stride_qd)
+    do_ptrs = (DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN)
+               + tl.multiple_of(offs_m * stride_dom, ALIGN)[:, None] + offs_d[None, :] * stride_dod)
     if MASK_KIND != 0:
         maskT_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[None, :] * stride_mm + cols[:, None] * stride_mn
     row_base = pid_bh.to(tl.int64) * N_Q
@@ -143,9 +147,11 @@ def _bwd_dkdv_kernel(
             maskT_ptrs += BLOCK_M * stride_mm
 
     dk *= sm_scale
-    tl.store(DK + off_b * stride_dkb + off_h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(DK + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN)
+             + tl.multiple_of(cols * stride_dkn, ALIGN)[:, None] + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=nd_valid)
-    tl.store(DV + off_b * stride_dvb + off_h * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(DV + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN)
+             + tl.multiple_of(cols * stride_dvn, ALIGN)[:, None] + offs_d[None, :] * stride_dvd,
              dv.to(DV.dtype.element_ty), mask=nd_valid)
 
 
@@ -168,6 +174,7 @@ def _bwd_dq_kernel(
     MASK_KIND: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
+    ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
@@ -184,10 +191,10 @@ def _bwd_dq_kernel(
     rows = offs_m.to(tl.int64)
     md_valid = m_valid[:, None] & d_valid[None, :]
 
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=md_valid, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=md_valid, other=0.0)
+    q = tl.load(Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
+                + tl.multiple_of(rows * stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd, mask=md_valid, other=0.0)
+    do = tl.load(DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN)
+                 + tl.multiple_of(rows * stride_dom, ALIGN)[:, None] + offs_d[None, :] * stride_dod, mask=md_valid, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -195,8 +202,10 @@ def _bwd_dq_kernel(
     delta = tl.load(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, mask=m_valid, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
-    kT_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    vT_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    kT_ptrs = (K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
+               + tl.multiple_of(offs_n * stride_kn, ALIGN)[None, :] + offs_d[:, None] * stride_kd)
+    vT_ptrs = (V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
+               + tl.multiple_of(offs_n * stride_vn, ALIGN)[None, :] + offs_d[:, None] * stride_vd)
     if MASK_KIND != 0:
         mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
@@ -225,7 +234,8 @@ def _bwd_dq_kernel(
             mask_ptrs += BLOCK_N * stride_mn
 
     dq *= sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(DQ + tl.multiple_of(off_b * stride_dqb + off_h * stride_dqh, ALIGN)
+             + tl.multiple_of(rows * stride_dqm, ALIGN)[:, None] + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=md_valid)
 
 
@@ -303,6 +313,7 @@ def flash_attn_bwd(
         MASK_KIND=mask_kind(mask),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
+        ALIGN=vector_align(q, k, v, do, dq, dk, dv),
     )
     dkdv_args = (q, k, v, mask, do, dk, dv, lse, delta, *common, *dk.stride(), *dv.stride(), *tail)
     dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *tail)

@@ -46,6 +46,7 @@ def _attn_fwd_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
+    ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (see vector_align)
 ):
     # -- which (batch, head) and query block -------------------------------------------
     # B*H is spread over grid dims 1 and 2 so that it can exceed 65,535.
@@ -63,10 +64,15 @@ def _attn_fwd_kernel(
     d_valid = offs_d < HEAD_DIM
     rows = offs_m.to(tl.int64)  # row offsets can pass 2^31 at long sequences and wide strides
 
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    # Offsets are hinted as multiples of ALIGN so that row loads vectorize at head dims such as
+    # 40 and 80, whose strides Triton cannot prove divisible by 16 on its own.
+    q_ptrs = (Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
+              + tl.multiple_of(rows * stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd)
     # K is read transposed, (BLOCK_D, BLOCK_N), so the score tile is a plain dot.
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_ptrs = (K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
+              + tl.multiple_of(offs_n * stride_kn, ALIGN)[None, :] + offs_d[:, None] * stride_kd)
+    v_ptrs = (V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
+              + tl.multiple_of(offs_n * stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd)
     if MASK_KIND != 0:
         mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
@@ -124,7 +130,8 @@ def _attn_fwd_kernel(
     # -- epilogue: normalize; fully masked rows (l = 0) give zeros ---------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = (Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN)
+              + tl.multiple_of(rows * stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
     if STORE_LSE:
         # Base-2 log-sum-exp of the scaled scores; -inf for fully masked rows.
@@ -174,6 +181,18 @@ _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages":
 def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
     """Row blocks on grid dim 0 (limit 2^31 - 1); B*H over dims 1 and 2 (65,535 each)."""
     return triton.cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), triton.cdiv(bh, MAX_GRID_Y)
+
+
+def vector_align(*tensors: torch.Tensor) -> int:
+    """Elements per 16-byte vector if every row of every tensor starts 16-byte aligned, else 1.
+
+    Then all strides but the last (which must be 1) are multiples of it, as are data pointers.
+    """
+    align = 16 // tensors[0].element_size()
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % align for s in t.stride()[:-1]):
+            return 1
+    return align
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:
@@ -226,6 +245,7 @@ def flash_attn_fwd(
         MASK_KIND=mask_kind(mask),
         STORE_LSE=return_lse,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ALIGN=vector_align(q, k, v, out),
     )
 
     def grid(META):

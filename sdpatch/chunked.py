@@ -34,12 +34,12 @@ class ChunkPlan:
             yield slice(b, b + self.batch), slice(h, h + self.heads), slice(m, m + self.queries)
 
 
-def plan_chunks(B: int, H: int, Nq: int, Nk: int, elem_bytes: int, budget: int) -> ChunkPlan:
-    """Largest chunk whose score buffer (batch * heads * queries * Nk * elem_bytes) fits ``budget``.
+def plan_chunks(B: int, H: int, Nq: int, row_bytes: int, budget: int) -> ChunkPlan:
+    """Largest chunk of query rows whose temporaries (``row_bytes`` per row) fit ``budget``.
 
     Whole query rows are the unit; a single row is the floor, whatever the budget.
     """
-    rows = max(1, budget // max(1, Nk * elem_bytes))
+    rows = max(1, budget // max(1, row_bytes))
     if rows >= H * Nq:
         return ChunkPlan(min(B, rows // (H * Nq)), H, Nq)
     if rows >= Nq:
@@ -71,7 +71,7 @@ def _scores(q, k, scale, mask, out):
     out.mul_(scale)
     if mask is not None:
         if mask.dtype == torch.bool:
-            out.masked_fill_(~mask, float("-inf"))
+            torch.where(mask, out, out.new_full((), float("-inf")), out=out)  # in place: no inverted-mask temporary
         else:
             out.add_(mask)
     return out
@@ -99,6 +99,7 @@ class _Buffer:
 
 def _forward(q, k, v, scale, mask, plan, score_dtype, with_lse):
     B, H, Nq, _ = q.shape
+    k, v = k.to(score_dtype), v.to(score_dtype)  # no-ops unless upcasting
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Nq, 1), device=q.device, dtype=_acc_dtype(q.dtype)) if with_lse else None
     buf = _Buffer(plan, k.shape[2], q.device, score_dtype)
@@ -112,15 +113,15 @@ def _forward(q, k, v, scale, mask, plan, score_dtype, with_lse):
         torch.softmax(s, -1, out=s)
         if mc is not None:
             s.masked_fill_(dead_rows(mc), 0.0)
-        out[bs, hs, ms] = torch.matmul(s.to(v.dtype), v[bs, hs])
+        out[bs, hs, ms] = torch.matmul(s, v[bs, hs])
     return out, lse
 
 
 def _backward(do, q, k, v, out, lse, scale, mask, budget):
-    """Gradients by recomputation, chunk by chunk; two score-sized buffers (P and dP) share the budget."""
+    """Gradients by recomputation, chunk by chunk; the P and dP buffers share the budget."""
     B, H, Nq, Nk = *q.shape[:3], k.shape[2]
     f = _acc_dtype(q.dtype)
-    plan = plan_chunks(B, H, Nq, Nk, f.itemsize, budget // 2)
+    plan = plan_chunks(B, H, Nq, 2 * (Nk + q.shape[3]) * f.itemsize, budget)
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k, dtype=f)
     dv = torch.zeros_like(v, dtype=f)
@@ -149,8 +150,11 @@ class ChunkedAttention(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:3])
         # Training saves an fp32 log-sum-exp; fp16 scores would make it too coarse for the backward.
         f = _acc_dtype(q.dtype) if needs_grad else _score_dtype(q.dtype, q.device, upcast)
-        B, H, Nq, _ = q.shape
-        plan = plan_chunks(B, H, Nq, k.shape[2], f.itemsize, budget)
+        B, H, Nq, D = q.shape
+        # The budget covers every temporary: per query row its scores and its P @ V result,
+        # and, when upcasting, fp32 copies of k and v made once.
+        upcast_copies = 0 if f == q.dtype else (k.numel() + v.numel()) * f.itemsize
+        plan = plan_chunks(B, H, Nq, (k.shape[2] + D) * f.itemsize, budget - upcast_copies)
         out, lse = _forward(q, k, v, scale, mask, plan, f, needs_grad)
         if needs_grad:
             ctx.save_for_backward(q, k, v, out, lse, mask)

@@ -118,7 +118,7 @@ def test_chunked_budgets_agree(budget):
     ],
 )
 def test_plan_chunks_fits_budget(B, H, Nq, Nk, budget, expect):
-    plan = plan_chunks(B, H, Nq, Nk, 4, budget)
+    plan = plan_chunks(B, H, Nq, Nk * 4, budget)
     assert (plan.batch, plan.heads, plan.queries) == expect
     rows = plan.batch * plan.heads * plan.queries
     assert rows == 1 or rows * Nk * 4 <= budget

@@ -1,0 +1,255 @@
+"""Attention kernel benchmark at Stable Diffusion shapes: sdpatch vs PyTorch's SDPA backends.
+
+One command (needs a CUDA GPU):
+
+    python scripts/bench_kernels.py --json bench_kernels.json
+
+For every case it times, with ``triton.testing.do_bench`` medians after warm-up, on fresh
+random inputs: sdpatch's Triton kernel (the launcher) and the public ``sdpatch.attention`` call,
+PyTorch SDPA pinned to cuDNN, flash and efficient, and naive matmul + softmax where it fits.
+It reports TFLOP/s (4·B·H·Nq·Nk·D forward, 2.5× that backward, with the true D), the ratio to
+cuDNN, the relative error of sdpatch against a float64 reference, the extra peak memory, and the
+first-call latency of sdpatch (compile and autotune included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import sdpatch
+from sdpatch.kernels.flash_fwd import flash_attn_fwd
+from sdpatch.reference import attention_ref
+
+SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
+REF_ROWS = 512  # queries checked against float64 (the reference materializes its scores)
+
+
+@dataclass
+class Case:
+    name: str
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+    dtype: str = "fp16"
+    backward: bool = False
+    sdpatch_backend: str = "triton"
+
+
+CASES = [
+    Case("hd40 4096", 2, 8, 4096, 4096, 40),
+    Case("hd40 16384", 2, 8, 16384, 16384, 40),
+    Case("hd40 65536", 2, 8, 65536, 65536, 40),
+    Case("hd80 4096", 2, 8, 4096, 4096, 80),
+    Case("hd160 1024", 2, 8, 1024, 1024, 160),
+    Case("hd64 4096", 2, 10, 4096, 4096, 64),
+    Case("hd64 1024", 2, 20, 1024, 1024, 64),
+    Case("x77 hd40 4096", 2, 8, 4096, 77, 40),
+    Case("x77 hd64 4096", 2, 10, 4096, 77, 64),
+    Case("vae hd512 16384", 1, 1, 16384, 16384, 512, sdpatch_backend="chunked"),
+    Case("hd40 4096 bf16", 2, 8, 4096, 4096, 40, dtype="bf16"),
+    Case("hd40 16384 bf16", 2, 8, 16384, 16384, 40, dtype="bf16"),
+    Case("bwd hd40 4096", 2, 8, 4096, 4096, 40, backward=True),
+    Case("bwd hd40 16384", 2, 8, 16384, 16384, 40, backward=True),
+    Case("bwd hd80 4096", 2, 8, 4096, 4096, 80, backward=True),
+    Case("bwd hd160 1024", 2, 8, 1024, 1024, 160, backward=True),
+    Case("bwd hd64 4096", 2, 10, 4096, 4096, 64, backward=True),
+    Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40, backward=True),
+]
+
+
+@dataclass
+class Row:
+    case: Case
+    tflops: dict = field(default_factory=dict)  # impl -> TFLOP/s (None: refused or OOM)
+    ms: dict = field(default_factory=dict)
+    extra_mib: dict = field(default_factory=dict)
+    rel_err: float | None = None
+    first_call_s: float | None = None
+
+
+def naive(q, k, v, scale):
+    return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, -1) @ v
+
+
+def extra_peak_mib(fn, out_bytes: int) -> float:
+    """Peak memory a call allocates beyond its inputs and its output."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - before - out_bytes) / 2**20
+
+
+def measure(row: Row, impl: str, fn, flops: float, out_bytes: int) -> None:
+    try:
+        fn()  # warm-up outside the timing: compile, autotune, cuDNN plans
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        row.ms[impl] = ms
+        row.tflops[impl] = flops / ms / 1e9
+        row.extra_mib[impl] = extra_peak_mib(fn, out_bytes)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend refusing the shape is a result
+        row.ms[impl] = row.tflops[impl] = row.extra_mib[impl] = None
+        print(f"  {row.case.name}: {impl} unavailable: {str(e).splitlines()[0][:100]}")
+    torch.cuda.empty_cache()
+
+
+def run_case(c: Case) -> Row:
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[c.dtype]
+    torch.manual_seed(hash(c.name) % 2**31)
+    q = torch.randn(c.B, c.H, c.Nq, c.D, device="cuda", dtype=dtype)
+    k = torch.randn(c.B, c.H, c.Nk, c.D, device="cuda", dtype=dtype)
+    v = torch.randn(c.B, c.H, c.Nk, c.D, device="cuda", dtype=dtype)
+    scale = 1 / math.sqrt(c.D)
+    flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D * (2.5 if c.backward else 1)
+    out_bytes = q.numel() * q.element_size()
+    row = Row(c)
+
+    def ours():
+        if c.sdpatch_backend == "triton":
+            return flash_attn_fwd(q, k, v, scale)[0]
+        return sdpatch.attention(q, k, v, backend=c.sdpatch_backend)
+
+    def public():
+        return sdpatch.attention(q, k, v, backend=c.sdpatch_backend)
+
+    impls = {"sdpatch": ours, "sdpatch.attention": public}
+    for name, backend in SDPA.items():
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        impls[name] = sdpa
+    if 2 * c.B * c.H * c.Nq * c.Nk * 2 <= NAIVE_LIMIT:
+        impls["naive"] = lambda: naive(q, k, v, scale)
+    if c.backward:
+        impls.pop("sdpatch.attention")
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = public() if not c.backward else None
+    if c.backward:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        do = torch.randn_like(q)
+        graphs = {}
+        for name, f in list(impls.items()):
+            def fwd(f=f, name=name):
+                return sdpatch.attention(q, k, v, backend="triton") if name == "sdpatch" else f()
+            try:
+                graphs[name] = fwd()
+            except RuntimeError:
+                graphs[name] = None
+
+        def bwd(name):
+            return lambda: torch.autograd.grad(graphs[name], (q, k, v), do, retain_graph=True)
+
+        first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
+        torch.cuda.synchronize()
+        row.first_call_s = time.perf_counter() - t0
+        for name in impls:
+            if graphs[name] is None:
+                row.ms[name] = row.tflops[name] = row.extra_mib[name] = None
+                continue
+            measure(row, name, bwd(name), flops, 3 * out_bytes)
+        # dq against float64 on a slice of rows: a row's dq depends only on that row.
+        n = min(REF_ROWS, c.Nq)
+        q64 = q[:1, :1, :n].detach().double().requires_grad_()
+        k64, v64 = (t[:1, :1].detach().double() for t in (k, v))
+        ref = torch.autograd.grad(attention_ref(q64, k64, v64), q64, do[:1, :1, :n].double())[0]
+        got = first[0][:1, :1, :n].double()
+        row.rel_err = ((got - ref).norm() / ref.norm()).item()
+        return row
+
+    torch.cuda.synchronize()
+    row.first_call_s = time.perf_counter() - t0
+    for name, f in impls.items():
+        measure(row, name, f, flops, out_bytes)
+    n = min(REF_ROWS, c.Nq)
+    ref = attention_ref(q[:1, :1, :n], k[:1, :1], v[:1, :1])
+    row.rel_err = ((first[:1, :1, :n].double() - ref).norm() / ref.norm()).item()
+    return row
+
+
+def fmt(x, spec=".0f"):
+    return "–" if x is None else format(x, spec)
+
+
+def table(rows: list[Row]) -> str:
+    impls = ["sdpatch", "sdpatch.attention", "cudnn", "flash", "efficient", "naive"]
+    head = "| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | rel err | extra MiB (sdpatch / naive) | first call s |"
+    lines = [head, "|" + "---|" * (len(impls) + 6)]
+    for r in rows:
+        t = r.tflops
+        ours = t.get("sdpatch")
+        ratio = lambda other: fmt(ours / t[other], ".2f") if ours and t.get(other) else "–"  # noqa: E731
+        lines.append(
+            f"| {r.case.name} | " + " | ".join(fmt(t.get(i)) for i in impls)
+            + f" | {ratio('cudnn')} | {ratio('flash')} | {fmt(r.rel_err, '.1e')}"
+            + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
+def driver_version() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "driver": driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--only", help="comma-separated substrings of case names to run")
+    args = ap.parse_args()
+    cases = CASES
+    if args.only:
+        keys = args.only.split(",")
+        cases = [c for c in CASES if any(k in c.name for k in keys)]
+    rows = []
+    for c in cases:
+        rows.append(run_case(c))
+        print(f"done {c.name}", flush=True)
+    env = environment()
+    print(env)
+    print("TFLOP/s (forward 4·B·H·Nq·Nk·D; backward ×2.5)")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
