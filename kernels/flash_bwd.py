@@ -280,11 +280,13 @@ def flash_attn_bwd(
     lse: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with respect to q, k and v.
 
     do, q, out: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; lse: fp32 (B, H, Nq) base-2
     log-sum-exp from :func:`flash_attn_fwd`; mask as given to the forward (4-D, broadcastable).
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages for both kernels instead of autotuning.
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
     B, H, Nq, D = q.shape
@@ -317,10 +319,10 @@ def flash_attn_bwd(
     )
     dkdv_args = (q, k, v, mask, do, dk, dv, lse, delta, *common, *dk.stride(), *dv.stride(), *tail)
     dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *tail)
-    if interpreting():
-        cfg = _INTERPRET_CONFIG
-        _bwd_dkdv_kernel[launch_grid(Nk, BH, cfg["BLOCK_N"])](*dkdv_args, **meta, **cfg)
-        _bwd_dq_kernel[launch_grid(Nq, BH, cfg["BLOCK_M"])](*dq_args, **meta, **cfg)
+    config = config or (_INTERPRET_CONFIG if interpreting() else None)
+    if config is not None:
+        _bwd_dkdv_kernel[launch_grid(Nk, BH, config["BLOCK_N"])](*dkdv_args, **meta, **config)
+        _bwd_dq_kernel[launch_grid(Nq, BH, config["BLOCK_M"])](*dq_args, **meta, **config)
     else:
         _dkdv_tuned[lambda META: launch_grid(Nk, BH, META["BLOCK_N"])](*dkdv_args, **meta)
         _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)

@@ -1,7 +1,7 @@
 """FlashAttention-2-style forward kernel: online softmax over key blocks, fp32 accumulation.
 
 The (Nq, Nk) score matrix lives only in registers, one (BLOCK_M, BLOCK_N) tile at a time.
-Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to BLOCK_D inside the kernel,
+Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two tiles inside the kernel,
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
 through zero strides.
 """
@@ -38,7 +38,8 @@ def _attn_fwd_kernel(
     H, BH, N_Q, N_K,
     qk_scale,  # softmax scale * LOG2E: scores are kept in base 2
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DA: tl.constexpr,  # the head dim is covered by two power-of-two parts, A and B,
+    BLOCK_DB: tl.constexpr,  # so that 40 = 32 + 16, 80 = 64 + 16, 160 = 128 + 32 (B = 0: A alone)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr,
@@ -59,41 +60,54 @@ def _attn_fwd_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < N_Q
-    d_valid = offs_d < HEAD_DIM
     rows = offs_m.to(tl.int64)  # row offsets can pass 2^31 at long sequences and wide strides
 
     # Offsets are hinted as multiples of ALIGN so that row loads vectorize at head dims such as
     # 40 and 80, whose strides Triton cannot prove divisible by 16 on its own.
-    q_ptrs = (Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
-              + tl.multiple_of(rows * stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd)
-    # K is read transposed, (BLOCK_D, BLOCK_N), so the score tile is a plain dot.
-    k_ptrs = (K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
-              + tl.multiple_of(offs_n * stride_kn, ALIGN)[None, :] + offs_d[:, None] * stride_kd)
-    v_ptrs = (V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
-              + tl.multiple_of(offs_n * stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd)
+    q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
+    k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
+    v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
+    o_rows = Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN) + tl.multiple_of(rows * stride_om, ALIGN)
     if MASK_KIND != 0:
         mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
 
-    q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    # Head-dim part A; K is read transposed, (BLOCK_DA, BLOCK_N), so the score tile is a plain dot.
+    offs_da = tl.arange(0, BLOCK_DA)
+    da_valid = offs_da < HEAD_DIM
+    ka_ptrs = k_cols[None, :] + offs_da[:, None] * stride_kd
+    va_ptrs = v_rows[:, None] + offs_da[None, :] * stride_vd
+    qa = tl.load(q_rows[:, None] + offs_da[None, :] * stride_qd, mask=m_valid[:, None] & da_valid[None, :], other=0.0)
     if DOT_FP32:
-        q = q.to(tl.float32)
+        qa = qa.to(tl.float32)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_DA], dtype=tl.float32)
+    if BLOCK_DB > 0:  # head-dim part B
+        offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
+        db_valid = offs_db < HEAD_DIM
+        kb_ptrs = k_cols[None, :] + offs_db[:, None] * stride_kd
+        vb_ptrs = v_rows[:, None] + offs_db[None, :] * stride_vd
+        qb = tl.load(q_rows[:, None] + offs_db[None, :] * stride_qd, mask=m_valid[:, None] & db_valid[None, :], other=0.0)
+        if DOT_FP32:
+            qb = qb.to(tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_DB], dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     for start_n in range(0, N_K, BLOCK_N):
         n_valid = (start_n + offs_n) < N_K
+        kv_valid = n_valid | EVEN_N  # all true when no key tail exists: the compiler drops it
         # -- compute qk ------------------------------------------------------------------
-        if EVEN_N:
-            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
+        ka = tl.load(ka_ptrs, mask=da_valid[:, None] & kv_valid[None, :], other=0.0)
         if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            ka = ka.to(tl.float32)
+        qk = tl.dot(qa, ka, input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            kb = tl.load(kb_ptrs, mask=db_valid[:, None] & kv_valid[None, :], other=0.0)
+            if DOT_FP32:
+                kb = kb.to(tl.float32)
+            qk = tl.dot(qb, kb, qk, input_precision=DOT_PRECISION)
+        qk = qk * qk_scale
         if MASK_KIND == 1:
             bias = tl.load(mask_ptrs, mask=m_valid[:, None] & n_valid[None, :], other=0.0)
             qk += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias joins base-2 scores
@@ -110,33 +124,51 @@ def _attn_fwd_kernel(
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-
-        # -- accumulate p @ v -------------------------------------------------------------
-        if EVEN_N:
-            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        # -- accumulate p @ v -------------------------------------------------------------
+        va = tl.load(va_ptrs, mask=kv_valid[:, None] & da_valid[None, :], other=0.0)
+        if DOT_FP32:
+            va = va.to(tl.float32)
+        p = p.to(va.dtype)
+        acc_a = tl.dot(p, va, acc_a * alpha[:, None], input_precision=DOT_PRECISION)
+        ka_ptrs += BLOCK_N * stride_kn
+        va_ptrs += BLOCK_N * stride_vn
+        if BLOCK_DB > 0:
+            vb = tl.load(vb_ptrs, mask=kv_valid[:, None] & db_valid[None, :], other=0.0)
+            if DOT_FP32:
+                vb = vb.to(tl.float32)
+            acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PRECISION)
+            kb_ptrs += BLOCK_N * stride_kn
+            vb_ptrs += BLOCK_N * stride_vn
         if MASK_KIND != 0:
             mask_ptrs += BLOCK_N * stride_mn
 
     # -- epilogue: normalize; fully masked rows (l = 0) give zeros ---------------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / l_safe[:, None]
-    o_ptrs = (Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN)
-              + tl.multiple_of(rows * stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(o_rows[:, None] + offs_da[None, :] * stride_od, (acc_a / l_safe[:, None]).to(Out.dtype.element_ty),
+             mask=m_valid[:, None] & da_valid[None, :])
+    if BLOCK_DB > 0:
+        tl.store(o_rows[:, None] + offs_db[None, :] * stride_od, (acc_b / l_safe[:, None]).to(Out.dtype.element_ty),
+                 mask=m_valid[:, None] & db_valid[None, :])
     if STORE_LSE:
         # Base-2 log-sum-exp of the scaled scores; -inf for fully masked rows.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=m_valid)
+
+
+def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
+    """Power-of-two tile widths (A, B) covering the head dim; B = 0 when one tile serves.
+
+    ``split=None`` splits when two parts pad less than one: 40 -> (32, 16), 80 -> (64, 16),
+    160 -> (128, 32); 64 -> (64, 0). Tiles are at least 16 wide (the tensor-core minimum).
+    """
+    whole = max(16, triton.next_power_of_2(head_dim))
+    a = max(16, whole // 2)
+    b = max(16, triton.next_power_of_2(head_dim - a)) if head_dim > a else 0
+    if split is None:
+        split = b > 0 and a + b < whole
+    return (a, b) if split and b > 0 else (whole, 0)
 
 
 def _configs():
@@ -147,6 +179,7 @@ def _configs():
             (128, 64, 4, 3),
             (128, 64, 8, 3),
             (128, 128, 8, 3),
+            (128, 128, 4, 3),
             (64, 64, 4, 3),
             (128, 32, 4, 4),
             (64, 32, 4, 3),
@@ -156,7 +189,7 @@ def _configs():
 
 def _prune(configs, named_args, **kwargs):
     """Drop configs whose tiles cannot fit (wide heads) or only waste work (short sequences)."""
-    block_d, n_q = kwargs["BLOCK_D"], named_args["N_Q"]
+    block_d, n_q = kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"], named_args["N_Q"]
     kept = [
         c
         for c in configs
@@ -166,10 +199,10 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[-1:]
 
 
-# Autotune key: sequence lengths and head dim; the tiles that win change with each.
+# Autotune key: sequence lengths, head dim and its tiling; the tiles that win change with each.
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["N_Q", "N_K", "HEAD_DIM", "MASK_KIND"],
+    key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND"],
     prune_configs_by={"early_config_prune": _prune},
 )(_attn_fwd_kernel)
 
@@ -208,11 +241,17 @@ def flash_attn_fwd(
     scale: float,
     mask: torch.Tensor | None = None,
     return_lse: bool = False,
+    split_head_dim: bool | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; mask: bool (True = keep) or additive,
     4-D and broadcastable to (B, H, Nq, Nk) (size-1 dims are read with stride 0).
+    split_head_dim: tile the head dim as two power-of-two parts (see :func:`head_dim_parts`);
+    None decides by padding.
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning
+    (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
     """
@@ -239,29 +278,30 @@ def flash_attn_fwd(
         H, BH, Nq, Nk,
         scale * LOG2E,
     )
+    block_da, block_db = head_dim_parts(D, split_head_dim)
     meta = dict(
         HEAD_DIM=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_DA=block_da,
+        BLOCK_DB=block_db,
         MASK_KIND=mask_kind(mask),
         STORE_LSE=return_lse,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
         ALIGN=vector_align(q, k, v, out),
     )
 
     def grid(META):
         return launch_grid(Nq, BH, META["BLOCK_M"])
 
-    if interpreting():
-        cfg = _INTERPRET_CONFIG
-        meta["EVEN_N"] = Nk % cfg["BLOCK_N"] == 0
-        meta["DOT_FP32"] = q.dtype == torch.bfloat16
-        _attn_fwd_kernel[grid(cfg)](*args, **meta, **cfg)
+    config = config or (_INTERPRET_CONFIG if interpreting() else None)
+    if config is not None:
+        meta["EVEN_N"] = Nk % config["BLOCK_N"] == 0
+        _attn_fwd_kernel[grid(config)](*args, **meta, **config)
     else:
         # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
         meta["EVEN_N"] = Nk % 128 == 0
-        meta["DOT_FP32"] = False
         _attn_fwd_tuned[grid](*args, **meta)
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["flash_attn_fwd", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

@@ -26,8 +26,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import sdpatch
-from sdpatch.kernels.flash_fwd import flash_attn_fwd
+from sdpatch.kernels.flash_fwd import flash_attn_fwd, head_dim_parts
 from sdpatch.reference import attention_ref
+
+from _bench import environment
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
@@ -128,6 +130,9 @@ def run_case(c: Case) -> Row:
         return sdpatch.attention(q, k, v, backend=c.sdpatch_backend)
 
     impls = {"sdpatch": ours, "sdpatch.attention": public}
+    if c.sdpatch_backend == "triton" and head_dim_parts(c.D)[1] and not c.backward:
+        # The head dim tiled as one padded power of two, to measure what the two-part tiling buys.
+        impls["one tile"] = lambda: flash_attn_fwd(q, k, v, scale, split_head_dim=False)[0]
     for name, backend in SDPA.items():
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
@@ -189,7 +194,7 @@ def fmt(x, spec=".0f"):
 
 
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch.attention", "cudnn", "flash", "efficient", "naive"]
+    impls = ["sdpatch", "sdpatch.attention", "one tile", "cudnn", "flash", "efficient", "naive"]
     head = "| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | rel err | extra MiB (sdpatch / naive) | first call s |"
     lines = [head, "|" + "---|" * (len(impls) + 6)]
     for r in rows:
@@ -202,31 +207,6 @@ def table(rows: list[Row]) -> str:
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')} |"
         )
     return "\n".join(lines)
-
-
-def driver_version() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def environment() -> dict:
-    import triton
-
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "gpu": props.name,
-        "driver": driver_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "triton": triton.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
 
 
 def main() -> None:

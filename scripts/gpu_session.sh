@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one call on a fresh CUDA machine with no network:
-#   bash scripts/gpu_session.sh [step ...]     (steps: check bench unet compare train; default all)
+#   bash scripts/gpu_session.sh [step ...]     (steps: check sanitize bench unet compare train; default all)
 # Expects the wheels of sdpatch and diffusers in .whl/ (see docs/benchmarks.md), writes to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-steps=${*:-check bench unet compare train}
+steps=${*:-check sanitize bench unet compare train}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, diffusers, sdpatch; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'sdpatch', sdpatch.__file__)"
 rc=0
@@ -15,6 +15,10 @@ for s in $steps; do
   echo "=== $s"
   case $s in
     check) python3 scripts/check_gpu.py 2>&1 | tee "$OUT/check_gpu.log" || rc=1 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
+      done ;;
     bench) python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
     compare) sdpatch compare --model sd15 --sizes 512,1024,2048 --steps 3 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;

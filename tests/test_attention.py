@@ -228,3 +228,23 @@ def test_bad_input_on_meta_device_mismatch():
     k = torch.empty(1, 1, 4, 8, device="meta")
     with pytest.raises(ValueError, match="one device"):
         attention(q, k, k)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("D", [1, 40, 64, 80, 160, 256])
+def test_triton_head_dim_tilings_agree(D, split):
+    """Both ways of tiling the head dim (padded to one power of two, or two parts) are exact."""
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+
+    q, k, v = make_qkv(1, 1, 17, 19, D, torch.float16, "bnhd")
+    mask = make_mask("bool", 1, 1, 17, 19, torch.float16)
+    out, _ = flash_attn_fwd(q, k, v, D**-0.5, mask, split_head_dim=split)
+    assert rel_err(out, attention_ref(q, k, v, attn_mask=mask)) <= RTOL[torch.float16]
+
+
+def test_head_dim_parts():
+    from sdpatch.kernels.flash_fwd import head_dim_parts
+
+    assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256)] == [
+        (32, 16), (64, 0), (64, 16), (128, 32), (32, 0), (16, 0), (256, 0)
+    ]

@@ -1,0 +1,82 @@
+"""One UNet training step, stock diffusers (SDPA) vs sdpatch (needs a CUDA GPU).
+
+    python scripts/bench_train_step.py --json bench_train.json
+
+SD 1.5-architecture UNet with random fp32 weights, fp16 autocast, batch 4, at 512² and 768²,
+gradient checkpointing off and on. A step is forward, MSE loss against noise, and backward
+(the optimizer's memory does not depend on attention, so it is left out). Reports peak memory
+allocated over the weights, median ms per step, and the gradient's relative error against stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import sdpatch
+from sdpatch.models import build_preset
+
+from _bench import environment, median_ms, peak_over, rel_err, unet_inputs
+
+SIZES = [512, 768]
+BATCH = 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    unet = build_preset("sd15", device="cuda", dtype=torch.float32).unet
+    unet.train().requires_grad_(True)
+    params = [p for p in unet.parameters()]
+    rows = []
+    for size in SIZES:
+        kw = unet_inputs(unet, BATCH, size, torch.float32)
+        target = torch.randn_like(kw["sample"])
+        for checkpointing in (False, True):
+            if checkpointing:
+                unet.enable_gradient_checkpointing()
+            else:
+                unet.disable_gradient_checkpointing()
+            ref_grad = None
+            for variant in ("stock", "auto"):
+                sdpatch.unpatch_unet(unet)
+                if variant != "stock":
+                    sdpatch.patch_unet(unet, backend=variant)
+
+                def step():
+                    for p in params:
+                        p.grad = None
+                    with torch.autocast("cuda", dtype=torch.float16):
+                        pred = unet(**kw).sample
+                    F.mse_loss(pred.float(), target).backward()
+
+                step()  # warm-up: compile and autotune the kernels
+                for p in params:  # the previous step's gradients must not count as "before"
+                    p.grad = None
+                _, peak = peak_over(step)
+                grad = unet.conv_in.weight.grad.detach().clone()  # every layer's gradient flows into it
+                ms = median_ms(step)
+                ref_grad = grad if variant == "stock" else ref_grad
+                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=peak / 2**20, ms=ms,
+                           grad_rel_err=None if variant == "stock" else rel_err(grad, ref_grad))
+                print(row, flush=True)
+                rows.append(row)
+                torch.cuda.empty_cache()
+    env = environment()
+    print(env)
+    print(f"| size | checkpointing | variant | peak over weights MiB | ms / step | conv_in grad rel err vs stock |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
+        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {err} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
