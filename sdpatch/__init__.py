@@ -1,6 +1,8 @@
 """sdpatch: flat-memory attention for diffusers' Stable Diffusion pipelines."""
 
 from .attention import BACKENDS, BackendChoice, BackendUnavailableError, attention, backend_status, choose_backend, explain
+from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
+from .processor import SdpatchAttnProcessor
 
 __version__ = "0.1.0"
 
@@ -8,8 +10,13 @@ __all__ = [
     "BACKENDS",
     "BackendChoice",
     "BackendUnavailableError",
+    "PatchReport",
+    "SdpatchAttnProcessor",
     "attention",
     "backend_status",
     "choose_backend",
     "explain",
+    "patch_report",
+    "patch_unet",
+    "unpatch_unet",
 ]

@@ -1,0 +1,233 @@
+"""``patch_unet`` / ``unpatch_unet`` / ``patch_report``: put :class:`SdpatchAttnProcessor` into diffusers models.
+
+Each diffusers ``Attention`` module whose processor is one of diffusers' stock processors gets its
+own :class:`SdpatchAttnProcessor`; the original processor object is kept on the module, so
+``unpatch_unet`` restores it by identity. Patching is idempotent: a second patch starts again from
+the originals. Any other processor (IP-Adapter, Custom Diffusion, PAG, user classes) stays in place
+and the report names it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from diffusers.models import attention_processor as _ap
+from diffusers.models.attention_processor import Attention
+
+from .attention import BACKENDS, BackendUnavailableError, choose_backend
+from .processor import SdpatchAttnProcessor
+
+logger = logging.getLogger(__name__)
+
+# Processors that follow AttnProcessor2_0's recipe; only these are replaced. Matched by exact
+# type: a subclass may change the recipe. getattr: not every diffusers version has every class.
+_STOCK_NAMES = (
+    "AttnProcessor",
+    "AttnProcessor2_0",
+    "SlicedAttnProcessor",
+    "XFormersAttnProcessor",
+    "FusedAttnProcessor2_0",
+)
+STOCK_PROCESSORS: tuple[type, ...] = tuple(getattr(_ap, n) for n in _STOCK_NAMES if hasattr(_ap, n))
+_FUSED = getattr(_ap, "FusedAttnProcessor2_0", None)
+
+_ORIGINAL = "_sdpatch_original_processor"  # attribute on each patched Attention module
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One attention layer in a :class:`PatchReport`."""
+
+    name: str
+    kind: str  # "self" or "cross"
+    heads: int
+    head_dim: int
+    nq: int | None  # sequence lengths of the latest call; None before the first one
+    nk: int | None
+    patched: bool
+    backend: str  # the backend the layer gets, or "kept: <processor class>"
+    reason: str
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """Which attention layers sdpatch serves, with which backend and why; one row per layer."""
+
+    rows: tuple[LayerRow, ...]
+
+    @property
+    def patched(self) -> int:
+        return sum(r.patched for r in self.rows)
+
+    @property
+    def kept(self) -> int:
+        return len(self.rows) - self.patched
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serializable data: a summary and one dict per layer."""
+        return {"patched": self.patched, "kept": self.kept, "layers": [asdict(r) for r in self.rows]}
+
+    def __str__(self) -> str:
+        cols = [f.name for f in fields(LayerRow) if f.name != "patched"]
+        table = [cols] + [["-" if getattr(r, c) is None else str(getattr(r, c)) for c in cols] for r in self.rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(cols) - 1)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1] for line in table]
+        head = f"sdpatch: {len(self.rows)} attention layers, {self.patched} patched, {self.kept} kept"
+        return "\n".join([head, *lines])
+
+
+def _attention_layers(target: object, include_vae: bool) -> list[tuple[str, Attention]]:
+    """(name, module) for every diffusers Attention layer in ``target``; TypeError if there are none."""
+    if isinstance(target, torch.nn.Module):
+        parts = [("", target)]
+    elif isinstance(getattr(target, "components", None), dict):
+        # A pipeline, known by its `components` rather than by isinstance: importing diffusers'
+        # pipelines costs a second, and fails on old diffusers with transformers 5. Every component
+        # with attention layers is patched: the UNet, and a ControlNet or prior where there is one.
+        parts = [
+            (f"{name}.", c)
+            for name, c in target.components.items()
+            if isinstance(c, torch.nn.Module) and (include_vae or name != "vae")
+        ]
+    else:
+        parts = []
+    layers = [(prefix + n, m) for prefix, part in parts for n, m in part.named_modules() if isinstance(m, Attention)]
+    if not layers:
+        raise TypeError(
+            "patch_unet expects a diffusers pipeline, UNet2DConditionModel, AutoencoderKL or another torch "
+            f"module with diffusers Attention layers; got {type(target).__name__}, which has none"
+        )
+    return layers
+
+
+def _original(attn: Attention):
+    """The processor to restore: the saved original if sdpatch's is in place, else the current one."""
+    if isinstance(attn.processor, SdpatchAttnProcessor):
+        return getattr(attn, _ORIGINAL, attn.processor)
+    return attn.processor
+
+
+def _weights(attn: Attention) -> tuple[torch.device, torch.dtype]:
+    p = next(attn.parameters())
+    return p.device, p.dtype
+
+
+def _run_device(device: torch.device) -> torch.device:
+    # Models on the CPU (or meta) on a CUDA machine are usually moved or offloaded there to run.
+    if device.type in ("cpu", "meta") and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def patch_unet(
+    target: object,
+    *,
+    backend: str = "auto",
+    include_vae: bool = True,
+    chunk_budget: int | None = None,
+) -> PatchReport:
+    """Serve the attention layers of a diffusers model or pipeline with :func:`sdpatch.attention`.
+
+    Args:
+        target: a ``DiffusionPipeline`` (every component with attention layers: the UNet, a
+            ControlNet, and the VAE unless ``include_vae=False``), or a model such as
+            ``UNet2DConditionModel`` or ``AutoencoderKL``.
+        backend: one of :data:`sdpatch.BACKENDS`. ``"auto"`` picks per call (Triton on CUDA
+            where it can, else chunked). An explicit backend that cannot serve some layer raises
+            here, before anything is changed; e.g. ``"triton"`` without Triton, or on the VAE's
+            head dim 512 (pass ``include_vae=False``).
+        include_vae: whether a pipeline's ``vae`` is patched too.
+        chunk_budget: bytes of score buffer for the chunked backend (``None``: its default).
+
+    Returns:
+        A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the
+        sequence lengths each layer got.
+
+    Patching again re-patches from the original processors (for example with another backend);
+    :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay.
+
+    Raises:
+        TypeError: ``target`` has no diffusers Attention layers.
+        ValueError: unknown ``backend``, or a ``chunk_budget`` that is not a positive int.
+        BackendUnavailableError: ``backend`` cannot serve a layer; the message names it.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if chunk_budget is not None and (type(chunk_budget) is not int or chunk_budget <= 0):
+        raise ValueError(f"chunk_budget must be a positive number of bytes or None, got {chunk_budget!r}")
+    layers = _attention_layers(target, include_vae)
+    plan = []
+    for name, attn in layers:  # check every layer before changing any
+        original = _original(attn)
+        if type(original) not in STOCK_PROCESSORS:
+            continue
+        device, dtype = _weights(attn)
+        try:
+            choose_backend(
+                device=_run_device(device),
+                dtype=dtype,
+                head_dim=attn.inner_dim // attn.heads,
+                needs_grad=attn.training,
+                backend=backend,
+            )
+        except BackendUnavailableError as err:
+            raise BackendUnavailableError(f"attention layer {name!r}: {err}") from err
+        plan.append((name, attn, original))
+
+    for name, attn, original in plan:
+        fused = type(original) is _FUSED
+        attn.set_processor(SdpatchAttnProcessor(name, backend=backend, chunk_budget=chunk_budget, fused=fused))
+        setattr(attn, _ORIGINAL, original)
+    logger.info("%d attention layers patched (backend=%s), %d kept", len(plan), backend, len(layers) - len(plan))
+    return patch_report(target, include_vae=include_vae)
+
+
+def unpatch_unet(target: object) -> object:
+    """Put back the processor objects that :func:`patch_unet` replaced, and return ``target``.
+
+    Layers whose processor was changed by someone else since patching keep that processor.
+    A pipeline's VAE is always included.
+    """
+    for _, attn in _attention_layers(target, include_vae=True):
+        if isinstance(attn.processor, SdpatchAttnProcessor) and hasattr(attn, _ORIGINAL):
+            attn.set_processor(getattr(attn, _ORIGINAL))
+        if hasattr(attn, _ORIGINAL):
+            delattr(attn, _ORIGINAL)
+    return target
+
+
+def patch_report(target: object, *, include_vae: bool = True) -> PatchReport:
+    """The report of ``target`` as it stands, one row per attention layer.
+
+    For a patched layer: the sequence lengths of its latest call, and the backend that call got
+    and why (before any call: what it would get on the device and dtype of the layer's weights).
+    Other layers show ``kept: <processor class>``. Raises TypeError like :func:`patch_unet`.
+    """
+    rows = []
+    for name, attn in _attention_layers(target, include_vae):
+        proc = attn.processor
+        head_dim = attn.inner_dim // attn.heads
+        kind = "cross" if attn.is_cross_attention else "self"
+        if not isinstance(proc, SdpatchAttnProcessor):
+            reason = "sdpatch not applied" if type(proc) in STOCK_PROCESSORS else "not a stock processor"
+            kept = f"kept: {type(proc).__name__}"
+            rows.append(LayerRow(name, kind, attn.heads, head_dim, None, None, False, kept, reason))
+            continue
+        call = proc.last_call
+        if call is None:
+            device, dtype = _weights(attn)
+            needs_grad = attn.training
+        else:
+            device, dtype, needs_grad = call.device, call.dtype, call.needs_grad
+        try:
+            choice = choose_backend(
+                device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, backend=proc.backend
+            )
+            backend, reason = choice.name, choice.reason
+        except BackendUnavailableError as err:
+            backend, reason = proc.backend, f"cannot run on {device}: {err}"
+        nq, nk = (None, None) if call is None else (call.nq, call.nk)
+        rows.append(LayerRow(name, kind, attn.heads, head_dim, nq, nk, True, backend, reason))
+    return PatchReport(tuple(rows))

@@ -1,0 +1,140 @@
+"""The one diffusers attention processor: diffusers' recipe, with sdpatch's ``attention`` inside.
+
+It knows nothing about kernels. It follows ``AttnProcessor2_0.__call__`` step for step and
+replaces only the ``F.scaled_dot_product_attention`` call; which backend runs is decided by
+:func:`sdpatch.attention.choose_backend`, inside :func:`sdpatch.attention.attention`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .attention import BackendUnavailableError, attention
+
+if TYPE_CHECKING:
+    from diffusers.models.attention_processor import Attention
+
+
+class LastCall(NamedTuple):
+    """What the processor saw on its latest call; read by the patch report."""
+
+    nq: int
+    nk: int
+    dtype: torch.dtype
+    device: torch.device
+    needs_grad: bool
+
+
+class SdpatchAttnProcessor:
+    """Diffusers' ``AttnProcessor2_0`` recipe with :func:`sdpatch.attention` as the attention call.
+
+    One instance per ``Attention`` module, so that errors can name the layer and the report can
+    show the sequence lengths it last saw.
+
+    Args:
+        name: the module's name, used in error messages and the report.
+        backend: passed to :func:`sdpatch.attention` on every call.
+        chunk_budget: bytes of score buffer for the chunked backend (``None``: its default).
+        fused: use the fused ``to_qkv`` / ``to_kv`` projections, as ``FusedAttnProcessor2_0``
+            does. Set when the processor it replaces was the fused one: diffusers'
+            ``unfuse_qkv_projections`` restores processors but leaves ``attn.fused_projections``
+            set, so the module's flag cannot be trusted.
+    """
+
+    def __init__(self, name: str, *, backend: str = "auto", chunk_budget: int | None = None, fused: bool = False):
+        self.name = name
+        self.backend = backend
+        self.chunk_budget = chunk_budget
+        self.fused = fused
+        self.last_call: LastCall | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, backend={self.backend!r})"
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        # Extra arguments (the deprecated `scale`, ...) are ignored, as the stock processors do.
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+
+        if attention_mask is not None:
+            # An additive (batch * heads, 1 or Nq, Nk) mask, viewed as (batch, heads, ., Nk).
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        if encoder_hidden_states is not None and attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+
+        if self.fused and encoder_hidden_states is None:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        elif self.fused:
+            query = attn.to_q(hidden_states)
+            key, value = attn.to_kv(encoder_hidden_states).chunk(2, dim=-1)
+        else:
+            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+            query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        self.last_call = LastCall(query.shape[2], key.shape[2], query.dtype, query.device, needs_grad)
+        try:
+            hidden_states = attention(
+                query,
+                key,
+                value,
+                scale=attn.scale,
+                attn_mask=attention_mask,
+                backend=self.backend,
+                chunk_budget=self.chunk_budget,
+                upcast=attn.upcast_attention or attn.upcast_softmax,
+            )
+        except (BackendUnavailableError, ValueError, TypeError) as err:
+            # Say which layer failed; keep the class so callers can still catch it.
+            cls = next(c for c in (BackendUnavailableError, ValueError, TypeError) if isinstance(err, c))
+            raise cls(f"attention layer {self.name!r}: {err}") from err
+
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        hidden_states = attn.to_out[0](hidden_states)  # linear projection
+        hidden_states = attn.to_out[1](hidden_states)  # dropout
+
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+
+        return hidden_states / attn.rescale_output_factor

@@ -1,0 +1,437 @@
+"""patch_unet / unpatch_unet / the processor / the report, on tiny diffusers models (CPU, offline).
+
+Error budgets, as relative error ||out - ref|| / ||ref|| against the same model with diffusers'
+stock processors:
+- fp32 outputs: 1e-5 (the issue's budget; measured ~1e-6 for chunked and triton, 0 for sdpa).
+- fp32 gradients in train mode: 1e-5 as well (measured 2e-6 for chunked; 0 for sdpa).
+- fp16 / bf16 outputs: finite, and no further from the fp32 output than 1.25x the stock
+  processors' own fp16 / bf16 error (measured 0.95-1.02x; the stock error is ~2e-3 in fp16 and
+  ~1.5e-2 in bf16, so a fixed budget would test the dtype, not sdpatch).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers.models import attention_processor as ap
+from diffusers.models.attention_processor import Attention
+
+import arch
+from sdpatch import (
+    BackendUnavailableError,
+    PatchReport,
+    SdpatchAttnProcessor,
+    backend_status,
+    patch_report,
+    patch_unet,
+    unpatch_unet,
+)
+
+FP32_RTOL = 1e-5
+GRAD_RTOL = 1e-5
+HALF_VS_STOCK = 1.25
+
+# The Triton interpreter costs ~10 s per tiny UNet call; the single-layer VAE is cheap enough.
+CASES = [pytest.param(a, b, id=f"{a}-{b}") for a in arch.ARCHS for b in ("chunked", "sdpa")]
+CASES.append(pytest.param("vae", "triton", id="vae-triton-interpreter"))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def layers(model: torch.nn.Module) -> dict[str, Attention]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def run(model: torch.nn.Module, kw: dict, **extra) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**kw, **extra).sample
+
+
+@pytest.fixture
+def sd15():
+    return arch.build("sd15")
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """Triton as on this CPU machine without TRITON_INTERPRET=1: it cannot run anywhere."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def attention_calls(monkeypatch) -> list[dict]:
+    """Records the keyword arguments of every call the processor makes to sdpatch.attention."""
+    import sdpatch.processor
+
+    calls = []
+    real = sdpatch.processor.attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sdpatch.processor, "attention", spy)
+    return calls
+
+
+# -- outputs match stock ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, backend", CASES)
+def test_matches_stock(name, backend):
+    if backend == "triton" and not backend_status("cpu")["triton"][0]:
+        pytest.skip(backend_status("cpu")["triton"][1])
+    model = arch.build(name)
+    kw = arch.ARCHS[name].inputs(model)
+    ref = run(model, kw)
+    report = patch_unet(model, backend=backend)
+    assert report.patched == len(layers(model)) and report.kept == 0
+    assert all(isinstance(m.processor, SdpatchAttnProcessor) for m in layers(model).values())
+    out = run(model, kw)
+    assert rel_err(out, ref) <= FP32_RTOL
+    if backend == "sdpa":  # the stock kernel: any difference would be a step of the recipe
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("xl", [pytest.param(False, id="sd15-pipeline"), pytest.param(True, id="sdxl-pipeline")])
+def test_pipeline_matches_stock(xl):
+    pipe = arch.sd_pipeline(xl)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(**arch.pipeline_inputs(pipe)).images
+    report = patch_unet(pipe, backend="chunked")
+    names = [r.name for r in report.rows]
+    assert len(names) == len(layers(pipe.unet)) + len(layers(pipe.vae)) == report.patched
+    assert any(n.startswith("unet.") for n in names) and any(n.startswith("vae.") for n in names)
+    assert rel_err(pipe(**arch.pipeline_inputs(pipe)).images, ref) <= FP32_RTOL
+
+
+def test_pipeline_without_vae():
+    pipe = arch.sd_pipeline()
+    vae_procs = {n: m.processor for n, m in layers(pipe.vae).items()}
+    report = patch_unet(pipe, include_vae=False)
+    assert report.patched == len(layers(pipe.unet))
+    assert all(r.name.startswith("unet.") for r in report.rows)
+    assert all(m.processor is vae_procs[n] for n, m in layers(pipe.vae).items())
+
+
+def stock_variant(model, variant: str) -> None:
+    if variant == "fused":
+        model.fuse_qkv_projections()
+        # Make the unfused weights wrong: the output then matches only if to_qkv / to_kv are used.
+        with torch.no_grad():
+            for m in layers(model).values():
+                m.to_k.weight.mul_(2.0)
+    else:
+        processor = {
+            "AttnProcessor": ap.AttnProcessor(),
+            "SlicedAttnProcessor": ap.SlicedAttnProcessor(slice_size=2),
+            "XFormersAttnProcessor": ap.XFormersAttnProcessor(),
+        }[variant]
+        model.set_attn_processor(processor)
+
+
+@pytest.mark.parametrize("variant", ["AttnProcessor", "SlicedAttnProcessor", "XFormersAttnProcessor", "fused"])
+def test_stock_variants_replaced(sd15, variant):
+    kw = arch.unet_inputs(sd15)
+    stock_variant(sd15, variant)
+    # XFormersAttnProcessor cannot run without xformers; its recipe is AttnProcessor2_0's.
+    ref = run(arch.build("sd15"), kw) if variant == "XFormersAttnProcessor" else run(sd15, kw)
+    originals = {n: m.processor for n, m in layers(sd15).items()}
+    assert patch_unet(sd15).patched == len(originals)
+    assert rel_err(run(sd15, kw), ref) <= FP32_RTOL
+    unpatch_unet(sd15)
+    assert all(m.processor is originals[n] for n, m in layers(sd15).items())
+
+
+# -- patch / unpatch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(arch.ARCHS))
+def test_unpatch_restores_processors_by_identity(name):
+    model = arch.build(name)
+    originals = {n: m.processor for n, m in layers(model).items()}
+    patch_unet(model)
+    unpatch_unet(model)
+    assert all(m.processor is originals[n] for n, m in layers(model).items())
+    assert not any(hasattr(m, "_sdpatch_original_processor") for m in layers(model).values())
+
+
+def test_patch_twice_does_not_stack(sd15):
+    originals = {n: m.processor for n, m in layers(sd15).items()}
+    patch_unet(sd15, backend="chunked")
+    report = patch_unet(sd15, backend="sdpa")
+    assert {r.backend for r in report.rows} == {"sdpa"}
+    assert all(m.processor.backend == "sdpa" for m in layers(sd15).values())
+    assert all(m._sdpatch_original_processor is originals[n] for n, m in layers(sd15).items())
+    unpatch_unet(sd15)
+    assert all(m.processor is originals[n] for n, m in layers(sd15).items())
+
+
+def test_patch_after_unpatch(sd15):
+    kw = arch.unet_inputs(sd15)
+    ref = run(sd15, kw)
+    patch_unet(sd15)
+    unpatch_unet(sd15)
+    assert unpatch_unet(sd15) is sd15  # a second unpatch is a no-op
+    assert patch_unet(sd15).patched == len(layers(sd15))
+    assert rel_err(run(sd15, kw), ref) <= FP32_RTOL
+
+
+def test_processor_replaced_after_patch_is_left_alone(sd15):
+    patch_unet(sd15)
+    mine = ap.AttnProcessor()
+    sd15.set_attn_processor(mine)
+    unpatch_unet(sd15)
+    assert all(m.processor is mine for m in layers(sd15).values())
+
+
+class UserProcessor:
+    """A user-defined processor: sdpatch must not touch it."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        return ap.AttnProcessor2_0()(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+
+class StockSubclass(ap.AttnProcessor2_0):
+    """A subclass of a stock processor may change the recipe: also kept."""
+
+
+UNKNOWN = {
+    "ip-adapter": lambda attn: ap.IPAdapterAttnProcessor2_0(attn.query_dim, attn.cross_attention_dim),
+    "custom-diffusion": lambda attn: ap.CustomDiffusionAttnProcessor2_0(
+        hidden_size=attn.query_dim, cross_attention_dim=attn.cross_attention_dim
+    ),
+    "pag": lambda attn: ap.PAGCFGIdentitySelfAttnProcessor2_0(),
+    "added-kv": lambda attn: ap.AttnAddedKVProcessor2_0(),  # another recipe (extra K/V projections)
+    "user-class": lambda attn: UserProcessor(),
+    "stock-subclass": lambda attn: StockSubclass(),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNKNOWN))
+def test_unknown_processors_are_kept_and_named(sd15, kind):
+    name = "down_blocks.0.attentions.0.transformer_blocks.0.attn2"
+    attn = layers(sd15)[name]
+    theirs = UNKNOWN[kind](attn)
+    attn.set_processor(theirs)
+    report = patch_unet(sd15)
+    assert attn.processor is theirs
+    row = next(r for r in report.rows if r.name == name)
+    assert (row.patched, row.backend, row.reason) == (False, f"kept: {type(theirs).__name__}", "not a stock processor")
+    assert report.kept == 1 and report.patched == len(layers(sd15)) - 1
+    assert f"kept: {type(theirs).__name__}" in str(report)
+    unpatch_unet(sd15)
+    assert attn.processor is theirs
+
+
+def test_kept_processor_runs_beside_patched_ones(sd15):
+    kw = arch.unet_inputs(sd15)
+    ref = run(sd15, kw)
+    layers(sd15)["mid_block.attentions.0.transformer_blocks.0.attn1"].set_processor(UserProcessor())
+    patch_unet(sd15)
+    assert rel_err(run(sd15, kw), ref) <= FP32_RTOL
+
+
+# -- what the processor must carry through ------------------------------------------------------
+
+
+def test_lora_adapter(sd15):
+    kw = arch.unet_inputs(sd15)
+    base = run(sd15, kw)
+    arch.add_lora(sd15)
+    half = {"cross_attention_kwargs": {"scale": 0.5}}
+    ref, ref_half = run(sd15, kw), run(sd15, kw, **half)
+    assert rel_err(ref, base) > 1e-2 and rel_err(ref_half, ref) > 1e-2
+    patch_unet(sd15)
+    assert rel_err(run(sd15, kw), ref) <= FP32_RTOL
+    assert rel_err(run(sd15, kw, **half), ref_half) <= FP32_RTOL
+
+
+def test_encoder_attention_mask(sd15):
+    kw = arch.unet_inputs(sd15)
+    mask = torch.ones(2, arch.TEXT_TOKENS)
+    mask[1, 20:] = 0  # the second prompt is padded after 20 tokens
+    ref = run(sd15, kw, encoder_attention_mask=mask)
+    assert rel_err(ref, run(sd15, kw)) > 1e-3
+    patch_unet(sd15)
+    assert rel_err(run(sd15, kw, encoder_attention_mask=mask), ref) <= FP32_RTOL
+
+
+def test_upcast_attention_reaches_attention(attention_calls):
+    for name, upcast in (("sd21", True), ("sd15", False)):
+        model = arch.build(name)
+        patch_unet(model)
+        run(model, arch.unet_inputs(model))
+        assert {c["upcast"] for c in attention_calls} == {upcast}
+        attention_calls.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_upcast_config_in_half_precision(dtype):
+    model = arch.build("sd21")  # upcast_attention=True, as SD 2.x needs in fp16
+    kw = arch.unet_inputs(model)
+    ref = run(model, kw)
+    model.to(dtype)
+    kw = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kw.items()}
+    stock = run(model, kw)
+    patch_unet(model)
+    out = run(model, kw)
+    assert out.dtype == dtype and out.isfinite().all()
+    assert rel_err(out, ref) <= HALF_VS_STOCK * rel_err(stock, ref)
+
+
+def test_chunk_budget_reaches_attention(sd15, attention_calls):
+    kw = arch.unet_inputs(sd15)
+    ref = run(sd15, kw)
+    patch_unet(sd15, backend="chunked", chunk_budget=4096)  # a few query rows per chunk
+    assert rel_err(run(sd15, kw), ref) <= FP32_RTOL
+    assert {c["chunk_budget"] for c in attention_calls} == {4096}
+
+
+def test_extra_arguments_are_ignored(sd15):
+    kw = arch.unet_inputs(sd15)
+    ref = run(sd15, kw, cross_attention_kwargs={"scale": 0.5})
+    patch_unet(sd15)
+    assert rel_err(run(sd15, kw, cross_attention_kwargs={"scale": 0.5}), ref) <= FP32_RTOL
+    attn = layers(sd15)["mid_block.attentions.0.transformer_blocks.0.attn1"]
+    x = torch.randn(2, 4, attn.query_dim)
+    with torch.no_grad():
+        plain = attn.processor(attn, x)
+        extra = attn.processor(attn, x, None, None, None, "positional", scale=0.5, unknown=True)
+    assert torch.equal(plain, extra)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
+@pytest.mark.parametrize("lora", [pytest.param(False, id="full"), pytest.param(True, id="lora")])
+def test_train_mode_gradients(backend, lora):
+    def grads(patched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model = arch.build("sd15").train()
+        if lora:
+            arch.add_lora(model)
+        if patched:
+            patch_unet(model, backend=backend)
+        kw = arch.unet_inputs(model)
+        kw["sample"].requires_grad_(True)
+        target = torch.randn(kw["sample"].shape, generator=torch.Generator().manual_seed(3))
+        loss = torch.nn.functional.mse_loss(model(**kw).sample, target)
+        loss.backward()
+        params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return params, kw["sample"].grad
+
+    ref_params, ref_input = grads(False)
+    params, inputs = grads(True)
+    assert params.shape == ref_params.shape
+    assert rel_err(params, ref_params) <= GRAD_RTOL
+    assert rel_err(inputs, ref_input) <= GRAD_RTOL
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def test_report_rows(sd15):
+    report = patch_unet(sd15, backend="chunked")
+    assert isinstance(report, PatchReport)
+    assert [r.name for r in report.rows] == list(layers(sd15))
+    by_name = {r.name: r for r in report.rows}
+    first = "down_blocks.0.attentions.0.transformer_blocks.0"
+    assert (by_name[f"{first}.attn1"].kind, by_name[f"{first}.attn2"].kind) == ("self", "cross")
+    # Four heads everywhere, so the head dim doubles per level, like SD 1.5's 40 / 80 / 160.
+    assert {(r.heads, r.head_dim) for r in report.rows} == {(4, 8), (4, 16), (4, 32)}
+    assert all(r.nq is None and r.nk is None for r in report.rows)  # no call yet
+    assert all((r.backend, r.reason) == ("chunked", "requested") for r in report.rows)
+
+    run(sd15, arch.unet_inputs(sd15))
+    after = {r.name: r for r in patch_report(sd15).rows}
+    side = arch.LATENT
+    assert (after[f"{first}.attn1"].nq, after[f"{first}.attn1"].nk) == (side * side, side * side)
+    assert (after[f"{first}.attn2"].nq, after[f"{first}.attn2"].nk) == (side * side, arch.TEXT_TOKENS)
+    assert after["mid_block.attentions.0.transformer_blocks.0.attn1"].nq == (side // 8) ** 2
+
+
+def test_report_auto_backend_and_reason(no_interpreter):
+    vae = arch.build("vae")
+    report = patch_unet(vae)
+    assert [(r.kind, r.heads, r.head_dim) for r in report.rows] == [("self", 1, 64)] * 2
+    assert {r.backend for r in report.rows} == {"chunked"}
+    assert all("CUDA" in r.reason for r in report.rows)
+
+
+def test_report_prints_and_converts(sd15):
+    layers(sd15)["mid_block.attentions.0.transformer_blocks.0.attn2"].set_processor(UserProcessor())
+    patch_unet(sd15)
+    run(sd15, arch.unet_inputs(sd15))
+    report = patch_report(sd15)
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0] == f"sdpatch: {len(layers(sd15))} attention layers, {report.patched} patched, 1 kept"
+    assert lines[1].split() == ["name", "kind", "heads", "head_dim", "nq", "nk", "backend", "reason"]
+    assert len(lines) == 2 + len(report.rows)
+    assert all(name in text for name in layers(sd15))
+    data = json.loads(json.dumps(report.to_dict()))
+    assert (data["patched"], data["kept"]) == (report.patched, 1)
+    assert data["layers"][0] == {
+        "name": "down_blocks.0.attentions.0.transformer_blocks.0.attn1", "kind": "self", "heads": 4, "head_dim": 8,
+        "nq": 256, "nk": 256, "patched": True, "backend": report.rows[0].backend, "reason": report.rows[0].reason,
+    }
+
+
+def test_report_of_unpatched_model(sd15):
+    report = patch_report(sd15)
+    assert report.patched == 0 and {r.backend for r in report.rows} == {"kept: AttnProcessor2_0"}
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target, named",
+    [
+        pytest.param(object(), "object", id="object"),
+        pytest.param("unet", "str", id="string"),
+        pytest.param(torch.nn.Linear(2, 2), "Linear", id="module-without-attention"),
+    ],
+)
+def test_target_without_attention_layers(target, named):
+    with pytest.raises(TypeError, match=f"got {named}, which has none"):
+        patch_unet(target)
+
+
+def test_unknown_backend(sd15):
+    with pytest.raises(ValueError, match="'flash'.*auto, triton, chunked, sdpa"):
+        patch_unet(sd15, backend="flash")
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, "1GiB"], ids=["zero", "negative", "float", "string"])
+def test_bad_chunk_budget(sd15, budget):
+    with pytest.raises(ValueError, match="chunk_budget"):
+        patch_unet(sd15, chunk_budget=budget)
+
+
+def test_triton_unavailable_fails_at_patch_time_and_changes_nothing(sd15, no_interpreter):
+    originals = {n: m.processor for n, m in layers(sd15).items()}
+    with pytest.raises(BackendUnavailableError, match="attention layer 'down_blocks.0.*CUDA"):
+        patch_unet(sd15, backend="triton")
+    assert all(m.processor is originals[n] for n, m in layers(sd15).items())
+
+
+def test_call_the_backend_cannot_serve_names_the_layer(monkeypatch):
+    vae = arch.build("vae")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    patch_unet(vae, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # e.g. the model moved to a device Triton cannot serve
+    with pytest.raises(BackendUnavailableError, match="layer 'encoder.mid_block.attentions.0'.*CUDA"):
+        run(vae, arch.vae_inputs(vae))
+
+
+def test_triton_for_a_cpu_resident_model_on_a_cuda_machine(sd15, no_interpreter, monkeypatch):
+    # With CPU offload the weights sit on the CPU until each call moves them to the GPU: patching
+    # must not refuse; a call that really runs on the CPU fails, naming the layer.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert patch_unet(sd15, backend="triton").patched == len(layers(sd15))
+    with pytest.raises(BackendUnavailableError, match="layer 'down_blocks.0.*got cpu"):
+        run(sd15, arch.unet_inputs(sd15))
