@@ -17,7 +17,7 @@ for s in $steps; do
     check) python3 scripts/check_gpu.py 2>&1 | tee "$OUT/check_gpu.log" || rc=1 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
       done ;;
     bench) python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
