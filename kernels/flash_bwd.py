@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, interpreting, launch_grid, mask_kind, vector_align
+from .flash_fwd import LOG2E, MAX_HEAD_DIM, autotune_options, interpreting, launch_grid, mask_kind, vector_align
 
 
 @triton.jit
@@ -264,8 +264,14 @@ def _prune(configs, named_args, **kwargs):
 # Autotune key: sequence lengths and head dim. Each kernel overwrites its outputs whole, so
 # benchmarking a config leaves nothing stale behind.
 _KEY = ["N_Q", "N_K", "HEAD_DIM", "MASK_KIND"]
-_dkdv_tuned = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune})(_bwd_dq_kernel)
+
+
+def _tuned(kernel):
+    return triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, **autotune_options())(kernel)
+
+
+_dkdv_tuned = _tuned(_bwd_dkdv_kernel)
+_dq_tuned = _tuned(_bwd_dq_kernel)
 
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 _PREPROCESS_BLOCK_M = 64

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import sdpatch
-from sdpatch.kernels.flash_fwd import flash_attn_fwd, head_dim_parts
+from sdpatch.kernels.flash_fwd import _attn_fwd_tuned, flash_attn_fwd, head_dim_parts
 from sdpatch.reference import attention_ref
 
 from _bench import environment
@@ -79,6 +79,7 @@ class Row:
     extra_mib: dict = field(default_factory=dict)
     rel_err: float | None = None
     first_call_s: float | None = None
+    tuned_config: str | None = None  # the autotuner's pick for sdpatch's forward, for pruning its list
 
 
 def naive(q, k, v, scale):
@@ -183,6 +184,9 @@ def run_case(c: Case) -> Row:
     row.first_call_s = time.perf_counter() - t0
     for name, f in impls.items():
         measure(row, name, f, flops, out_bytes)
+    if c.sdpatch_backend == "triton":
+        ours()  # the tuned config of the last launch is this case's
+        row.tuned_config = str(_attn_fwd_tuned.best_config)
     n = min(REF_ROWS, c.Nq)
     ref = attention_ref(q[:1, :1, :n], k[:1, :1], v[:1, :1])
     row.rel_err = ((first[:1, :1, :n].double() - ref).norm() / ref.norm()).item()

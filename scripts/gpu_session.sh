@@ -19,7 +19,7 @@ for s in $steps; do
       for tool in memcheck racecheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
       done ;;
-    bench) python3 scripts/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
+    bench) python3 scripts/bench_kernels.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
     compare) sdpatch compare --model sd15 --sizes 512,1024,2048 --steps 3 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;
     train) python3 scripts/bench_train_step.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" || rc=1 ;;

@@ -66,9 +66,10 @@ def _score_dtype(dtype: torch.dtype, device: torch.device, upcast: bool) -> torc
 
 
 def _scores(q, k, scale, mask, out):
-    """out <- scale * q @ k^T (+ mask); masked-out entries become -inf."""
-    torch.matmul(q.to(out.dtype), k.to(out.dtype).transpose(-1, -2), out=out)
-    out.mul_(scale)
+    """out <- (scale * q) @ k^T (+ mask); masked-out entries become -inf."""
+    # Scaling q first: in fp16 scores the unscaled q @ k^T overflows long before the scores do
+    # (scores of 1e4 at head dim 64 are 8e4 unscaled).
+    torch.matmul(q.to(out.dtype) * scale, k.to(out.dtype).transpose(-1, -2), out=out)
     if mask is not None:
         if mask.dtype == torch.bool:
             torch.where(mask, out, out.new_full((), float("-inf")), out=out)  # in place: no inverted-mask temporary
@@ -110,9 +111,13 @@ def _forward(q, k, v, scale, mask, plan, score_dtype, with_lse):
         _scores(qc, k[bs, hs], scale, mc, s)
         if with_lse:
             lse[bs, hs, ms] = torch.logsumexp(s, -1, keepdim=True)
+        if mc is not None:
+            # Rows of -inf scores (every key masked, or an additive mask beyond fp16's range
+            # rounded to -inf) would softmax to NaN; they give zeros.
+            dead = s.amax(-1, keepdim=True) == float("-inf")
         torch.softmax(s, -1, out=s)
         if mc is not None:
-            s.masked_fill_(dead_rows(mc), 0.0)
+            s.masked_fill_(dead, 0.0)
         out[bs, hs, ms] = torch.matmul(s, v[bs, hs])
     return out, lse
 
@@ -151,10 +156,10 @@ class ChunkedAttention(torch.autograd.Function):
         # Training saves an fp32 log-sum-exp; fp16 scores would make it too coarse for the backward.
         f = _acc_dtype(q.dtype) if needs_grad else _score_dtype(q.dtype, q.device, upcast)
         B, H, Nq, D = q.shape
-        # The budget covers every temporary: per query row its scores and its P @ V result,
-        # and, when upcasting, fp32 copies of k and v made once.
+        # The budget covers every temporary: per query row its scores, its scaled query and its
+        # P @ V result, and, when upcasting, fp32 copies of k and v made once.
         upcast_copies = 0 if f == q.dtype else (k.numel() + v.numel()) * f.itemsize
-        plan = plan_chunks(B, H, Nq, (k.shape[2] + D) * f.itemsize, budget - upcast_copies)
+        plan = plan_chunks(B, H, Nq, (k.shape[2] + 2 * D) * f.itemsize, budget - upcast_copies)
         out, lse = _forward(q, k, v, scale, mask, plan, f, needs_grad)
         if needs_grad:
             ctx.save_for_backward(q, k, v, out, lse, mask)

@@ -246,5 +246,5 @@ def test_head_dim_parts():
     from sdpatch.kernels.flash_fwd import head_dim_parts
 
     assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256)] == [
-        (32, 16), (64, 0), (64, 16), (128, 32), (32, 0), (16, 0), (256, 0)
+        (32, 16), (64, 0), (64, 16), (256, 0), (32, 0), (16, 0), (256, 0)
     ]

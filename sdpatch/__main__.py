@@ -1,0 +1,5 @@
+"""``python -m sdpatch``: the same as the ``sdpatch`` command."""
+
+from sdpatch.cli import main
+
+main()
