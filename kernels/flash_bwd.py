@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, autotune_options, interpreting, launch_grid, mask_kind, vector_align
+from .flash_fwd import LOG2E, MAX_HEAD_DIM, autotune_options, interpreting, launch_grid, mask_kind, tile_configs, vector_align
 
 
 @triton.jit
@@ -240,17 +240,8 @@ def _bwd_dq_kernel(
 
 
 def _configs():
-    """Autotune space for the GPU: (BLOCK_M, BLOCK_N, warps, stages), shared by both kernels."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
-            (64, 64, 4, 2),
-            (64, 128, 8, 2),
-            (128, 64, 8, 2),
-            (32, 64, 4, 2),
-            (64, 32, 4, 3),
-        ]
-    ]
+    """Autotune space for the GPU, shared by both kernels."""
+    return tile_configs([(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 3)])
 
 
 def _prune(configs, named_args, **kwargs):

@@ -174,11 +174,15 @@ def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
     return (a, b) if split and b > 0 else (whole, 0)
 
 
+def tile_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """Autotune configs from (BLOCK_M, BLOCK_N, warps, stages) tuples."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
 def _configs():
-    """Autotune space for the GPU: (BLOCK_M, BLOCK_N, warps, stages)."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
+    """Autotune space for the GPU."""
+    return tile_configs(
+        [
             (128, 64, 4, 3),
             (128, 64, 8, 3),
             (128, 128, 8, 3),
@@ -187,7 +191,7 @@ def _configs():
             (128, 32, 4, 4),
             (64, 32, 4, 3),
         ]
-    ]
+    )
 
 
 def _prune(configs, named_args, **kwargs):

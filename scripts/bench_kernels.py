@@ -29,7 +29,7 @@ import sdpatch
 from sdpatch.kernels.flash_fwd import _attn_fwd_tuned, flash_attn_fwd, head_dim_parts
 from sdpatch.reference import attention_ref
 
-from _bench import environment
+from _bench import environment, peak_over
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
@@ -86,25 +86,13 @@ def naive(q, k, v, scale):
     return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, -1) @ v
 
 
-def extra_peak_mib(fn, out_bytes: int) -> float:
-    """Peak memory a call allocates beyond its inputs and its output."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    return (peak - before - out_bytes) / 2**20
-
-
 def measure(row: Row, impl: str, fn, flops: float, out_bytes: int) -> None:
     try:
         fn()  # warm-up outside the timing: compile, autotune, cuDNN plans
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
         row.ms[impl] = ms
         row.tflops[impl] = flops / ms / 1e9
-        row.extra_mib[impl] = extra_peak_mib(fn, out_bytes)
+        row.extra_mib[impl] = (peak_over(fn)[1] - out_bytes) / 2**20
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend refusing the shape is a result
         row.ms[impl] = row.tflops[impl] = row.extra_mib[impl] = None
         print(f"  {row.case.name}: {impl} unavailable: {str(e).splitlines()[0][:100]}")

@@ -18,6 +18,8 @@ import torch
 from sdpatch import attention
 from sdpatch.reference import attention_ref
 
+from _bench import make_mask, peak_over
+
 RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 failures: list[str] = []
 
@@ -62,20 +64,6 @@ CASES = [
 ]
 
 
-def mask_for(kind, B, Nq, Nk, dtype):
-    if kind is None:
-        return None
-    if kind == "bool":
-        m = torch.rand(B, 1, Nq, Nk, device="cuda") > 0.3
-        m[:, :, 0] = False
-        return m
-    if kind == "additive":
-        return torch.randn(Nq, Nk, device="cuda", dtype=dtype)
-    a = torch.zeros(B, 1, 1, Nk, device="cuda", dtype=dtype)
-    a[..., Nk // 2 :] = -10000.0
-    return a
-
-
 def check_correctness() -> None:
     for case in CASES:
         try:
@@ -86,7 +74,7 @@ def check_correctness() -> None:
 
 def check_case(B, H, Nq, Nk, D, dtype, mk, layout) -> None:
     q, k, v = qkv(B, H, Nq, Nk, D, dtype, layout)
-    m = mask_for(mk, B, Nq, Nk, dtype)
+    m = make_mask(mk, B, Nq, Nk, dtype)
     m1 = None if m is None else m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))[:1]  # batch 0's mask
     ref = attention_ref(q[:1, :2], k[:1, :2], v[:1, :2], attn_mask=m1)
     for backend in ("triton", "chunked", "sdpa"):
@@ -107,14 +95,7 @@ def check_case(B, H, Nq, Nk, D, dtype, mk, layout) -> None:
 
 def extra_peak(fn, out_bytes):
     fn()  # warm: compile, autotune, cuBLAS workspace
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    return peak - before - out_bytes
+    return peak_over(fn)[1] - out_bytes
 
 
 def check_memory() -> None:

@@ -20,6 +20,8 @@ from sdpatch.kernels.flash_fwd import _configs as fwd_configs
 from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.reference import attention_ref
 
+from _bench import make_mask
+
 SHAPES = [  # B, H, Nq, Nk, D, mask
     (1, 2, 97, 97, 40, None),
     (2, 1, 1025, 77, 40, "padding"),
@@ -36,20 +38,6 @@ def as_dict(c):
     return {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
-def make_mask(kind, B, Nq, Nk):
-    if kind is None:
-        return None
-    if kind == "bool":
-        m = torch.rand(B, 1, Nq, Nk, device="cuda") > 0.3
-        m[:, :, 0] = False
-        return m
-    if kind == "additive":
-        return torch.randn(1, 1, Nq, Nk, device="cuda", dtype=torch.float16)
-    a = torch.zeros(B, 1, 1, Nk, device="cuda", dtype=torch.float16)
-    a[..., Nk // 2 :] = -10000.0
-    return a
-
-
 def main() -> int:
     torch.manual_seed(0)
     bad = 0
@@ -58,7 +46,7 @@ def main() -> int:
         q = torch.randn(B, Nq, H, D, device="cuda", dtype=torch.float16).transpose(1, 2)
         k = torch.randn(B, H, Nk, D, device="cuda", dtype=torch.float16)
         v = torch.randn(B, H, Nk, D, device="cuda", dtype=torch.float16)
-        mask = make_mask(mk, B, Nq, Nk)
+        mask = make_mask(mk, B, Nq, Nk, torch.float16)
         ref = attention_ref(q, k, v, attn_mask=mask)
         scale = D**-0.5
         for split in (False, True):
