@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, autotune_options, interpreting, launch_grid, mask_kind, tile_configs, vector_align
+from .flash_fwd import LOG2E, MAX_HEAD_DIM, _masked_scores, autotune_options, interpreting, launch_grid, mask_kind, tile_configs, vector_align
 
 
 @triton.jit
@@ -44,18 +44,6 @@ def _bwd_preprocess(
                  mask=valid, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
-
-
-@triton.jit
-def _masked_scores(s, mask_ptrs, valid, MASK_KIND: tl.constexpr):
-    """Apply the mask to a tile of base-2 scores; out-of-range entries become -inf."""
-    if MASK_KIND == 1:
-        bias = tl.load(mask_ptrs, mask=valid, other=0.0)
-        s += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias joins base-2 scores
-    if MASK_KIND == 2:
-        keep = tl.load(mask_ptrs, mask=valid, other=0)
-        s = tl.where(keep != 0, s, float("-inf"))
-    return tl.where(valid, s, float("-inf"))
 
 
 @triton.jit

@@ -29,6 +29,21 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _masked_scores(s, mask_ptrs, valid, MASK_KIND: tl.constexpr):
+    """Apply the mask to a tile of base-2 scores; out-of-range entries become -inf."""
+    if MASK_KIND == 1:
+        bias = tl.load(mask_ptrs, mask=valid, other=0.0)
+        bias = bias.to(tl.float32)
+        # Finite biases below -1e38 would overflow to -inf in base 2 and wrongly mask the key.
+        bias = tl.where(bias == float("-inf"), bias, tl.maximum(bias, -1e38))
+        s += bias * 1.44269504  # 1/ln 2: the bias joins base-2 scores
+    if MASK_KIND == 2:
+        keep = tl.load(mask_ptrs, mask=valid, other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Mask, Out, Lse,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -109,13 +124,9 @@ def _attn_fwd_kernel(
                 kb = kb.to(tl.float32)
             qk = tl.dot(qb, kb, qk, input_precision=DOT_PRECISION)
         qk = qk * qk_scale
-        if MASK_KIND == 1:
-            bias = tl.load(mask_ptrs, mask=m_valid[:, None] & n_valid[None, :], other=0.0)
-            qk += bias.to(tl.float32) * 1.44269504  # 1/ln 2: the bias joins base-2 scores
-        if MASK_KIND == 2:
-            keep = tl.load(mask_ptrs, mask=m_valid[:, None] & n_valid[None, :], other=0)
-            qk = tl.where(keep != 0, qk, float("-inf"))
-        if not EVEN_N:
+        if MASK_KIND != 0:
+            qk = _masked_scores(qk, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
+        elif not EVEN_N:
             qk = tl.where(n_valid[None, :], qk, float("-inf"))
 
         # -- online softmax --------------------------------------------------------------
