@@ -21,7 +21,7 @@ for s in $steps; do
       done ;;
     bench) python3 scripts/bench_kernels.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
     unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
-    compare) sdpatch compare --model sd15 --sizes 512,1024,2048 --steps 3 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;
+    compare) python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked --steps 3 --seed 0 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;
     train) python3 scripts/bench_train_step.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" || rc=1 ;;
     *) echo "unknown step $s"; rc=1 ;;
   esac

@@ -1,6 +1,15 @@
 """sdpatch: flat-memory attention for diffusers' Stable Diffusion pipelines."""
 
-from .attention import BACKENDS, BackendChoice, BackendUnavailableError, attention, backend_status, choose_backend, explain
+from .attention import (
+    BACKENDS,
+    BackendChoice,
+    BackendUnavailableError,
+    Fallback,
+    attention,
+    backend_status,
+    choose_backend,
+    explain,
+)
 from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
 from .processor import SdpatchAttnProcessor
 
@@ -10,6 +19,7 @@ __all__ = [
     "BACKENDS",
     "BackendChoice",
     "BackendUnavailableError",
+    "Fallback",
     "PatchReport",
     "SdpatchAttnProcessor",
     "attention",

@@ -9,6 +9,10 @@ Backends:
 - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``, for comparison.
 - ``"auto"``: triton where it supports the call on a CUDA device, else chunked.
 
+Faults (see :func:`attention`): a call that runs out of memory is retried on the chunked backend
+at a smaller budget; a Triton kernel that fails to compile or launch makes ``auto`` use chunked
+for such calls from then on, and makes an explicit ``"triton"`` raise.
+
 Mask convention, shared by every backend: a boolean mask keeps True entries; a float mask is
 added to the scaled scores; a query row whose keys are all masked out gives zeros (not NaN).
 """
@@ -18,12 +22,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .chunked import chunked_attention, dead_rows
+from .chunked import DEFAULT_CHUNK_BUDGET, chunked_attention, dead_rows
+from .errors import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,14 @@ BACKENDS = ("auto", "triton", "chunked", "sdpa")
 TRITON_MAX_HEAD_DIM = 256
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPES = (*_TRITON_DTYPES, torch.float64)
+# Out of memory, the chunked retry starts at a quarter of its usual budget, leaving room for
+# whatever else holds memory, and halves down to this floor (a few rows per chunk at SD sizes).
+MIN_FALLBACK_BUDGET = 2**20
+
+# (device, dtype, head dim) -> why the Triton kernel failed there. Remembered for the process:
+# a compiler that is missing or rejects the kernel will not succeed on the next call either.
+_triton_failures: dict[tuple[str, torch.dtype, int], str] = {}
+_warned: set[str] = set()  # kinds of fault already logged at warning level
 
 
 class BackendUnavailableError(RuntimeError):
@@ -44,6 +58,15 @@ class BackendChoice:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A call that the chunked backend served after ``backend`` failed; ``budget`` is what fit."""
+
+    backend: str
+    reason: str
+    budget: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +140,8 @@ def choose_backend(
         problem = f"head dim {head_dim} > {TRITON_MAX_HEAD_DIM}"
     elif dtype not in _TRITON_DTYPES:
         problem = f"dtype {dtype} is not fp16, bf16 or fp32"
+    elif (failure := _triton_failures.get((str(device), dtype, head_dim))) is not None:
+        problem = f"the Triton kernel failed here before ({failure})"
     if backend == "triton":
         if problem is not None:
             raise BackendUnavailableError(f"backend='triton' cannot run here: {problem}")
@@ -213,6 +238,25 @@ def _sdpa(q, k, v, scale, mask):
     return out
 
 
+def _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast):
+    if name == "triton":
+        if not needs_grad:  # inference skips autograd's bookkeeping: it shows at 10-50 us kernels
+            from .kernels.flash_fwd import flash_attn_fwd
+
+            return flash_attn_fwd(q, k, v, scale, mask)[0]
+        return TritonAttention.apply(q, k, v, scale, mask)
+    if name == "sdpa":
+        return _sdpa(q, k, v, scale, mask)
+    return chunked_attention(q, k, v, scale, mask, chunk_budget, upcast)
+
+
+def _warn_once(kind: str, msg: str, *args) -> None:
+    """Log the first fault of each kind as a warning, later ones at debug level: a long run can
+    fall back thousands of times, and the patch report counts them per layer."""
+    logger.log(logging.DEBUG if kind in _warned else logging.WARNING, msg, *args)
+    _warned.add(kind)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,6 +267,7 @@ def attention(
     backend: str = "auto",
     chunk_budget: int | None = None,
     upcast: bool = False,
+    on_fallback: Callable[[Fallback], None] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention, ``softmax(scale * q @ k^T + mask) @ v``, without an Nq x Nk matrix.
 
@@ -234,26 +279,83 @@ def attention(
             Query rows with every key masked out give zeros. Masks take no gradient.
         backend: one of :data:`BACKENDS`; see :func:`choose_backend` for ``"auto"``.
         chunk_budget: bytes of score buffer for the chunked backend (default 256 MiB).
-        upcast: compute the chunked backend's scores in fp32 for fp16/bf16 inputs (diffusers'
-            ``upcast_attention``); the triton backend always accumulates in fp32.
+        upcast: compute the chunked backend's scores in fp32 for fp16 inputs (diffusers'
+            ``upcast_attention``; bf16 scores are always fp32); the triton backend always
+            accumulates in fp32.
+        on_fallback: called with a :class:`Fallback` when the chunked backend served the call
+            instead of the chosen one (the processor counts these for the patch report).
 
     Returns:
         (B, H, Nq, D) in q's dtype, laid out like q.
+
+    Faults, handled here and only here:
+
+    - ``torch.OutOfMemoryError`` on any backend: the call is retried on the chunked backend at a
+      quarter of ``chunk_budget`` (default 64 MiB), halved on each further OOM down to
+      :data:`MIN_FALLBACK_BUDGET`; an OOM there is raised.
+    - Any other exception from the Triton launch (no compiler, an unsupported GPU, a compile
+      error): remembered for this (device, dtype, head dim) for the rest of the process. With
+      ``backend="auto"`` the call, and every later such call, runs chunked; with
+      ``backend="triton"`` it raises :class:`BackendUnavailableError`. Failures in the Triton
+      backward pass are not caught: the forward has already run on Triton.
+
+    The first fault of each kind is logged as a warning, later ones at debug level.
     """
     mask, scale = _validate(q, k, v, attn_mask, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], needs_grad=needs_grad, backend=backend)
     if q.numel() == 0:  # B, H or Nq is 0: the result is well defined and empty
         return q * 0
-    if choice.name == "triton":
-        if not needs_grad:  # inference skips autograd's bookkeeping: it shows at 10-50 us kernels
-            from .kernels.flash_fwd import flash_attn_fwd
+    try:
+        return _run(choice.name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
+    except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError from 2.5 on; the same class
+        reason = f"out of memory: {first_line(err)}"
+        budget = (DEFAULT_CHUNK_BUDGET if chunk_budget is None else chunk_budget) // 4
+        _warn_once(
+            "oom",
+            "%s attention: %s; retrying on chunked with a %.1f MiB budget",
+            choice.name,
+            reason,
+            budget / 2**20,
+        )
+    except Exception as err:  # noqa: BLE001 (whatever the Triton launch raises: see the docstring)
+        if choice.name != "triton":
+            raise
+        # Triton's CompilationError starts with the source location; its error_message says what failed.
+        reason = f"{type(err).__name__}: {getattr(err, 'error_message', None) or first_line(err)}"
+        _triton_failures[(str(q.device), q.dtype, q.shape[-1])] = reason
+        budget = chunk_budget
+        if backend == "triton":
+            raise BackendUnavailableError(
+                f"backend='triton' failed to compile or launch its kernel ({reason}); "
+                "backend='auto' would run such calls on chunked"
+            ) from err
+        _warn_once(
+            "triton",
+            "the Triton kernel failed on %s, %s, head dim %d (%s); such calls run on chunked from now on",
+            q.device,
+            q.dtype,
+            q.shape[-1],
+            reason,
+        )
+    # Retried outside the except blocks, so that the failed attempt's frames (held by the
+    # traceback) and their tensors are freed first.
+    out, budget = _chunked_retry(q, k, v, scale, mask, budget, upcast)
+    if on_fallback is not None:
+        on_fallback(Fallback(choice.name, reason, budget))
+    return out
 
-            return flash_attn_fwd(q, k, v, scale, mask)[0]
-        return TritonAttention.apply(q, k, v, scale, mask)
-    if choice.name == "sdpa":
-        return _sdpa(q, k, v, scale, mask)
-    return chunked_attention(q, k, v, scale, mask, chunk_budget, upcast)
+
+def _chunked_retry(q, k, v, scale, mask, budget, upcast) -> tuple[torch.Tensor, int]:
+    """Chunked attention, halving ``budget`` on OOM down to the floor; returns the budget that fit."""
+    budget = DEFAULT_CHUNK_BUDGET if budget is None else budget
+    while True:
+        try:
+            return chunked_attention(q, k, v, scale, mask, budget, upcast), budget
+        except torch.cuda.OutOfMemoryError:
+            if budget <= MIN_FALLBACK_BUDGET:
+                raise
+        budget = max(MIN_FALLBACK_BUDGET, budget // 2)
 
 
 def explain(

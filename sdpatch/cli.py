@@ -1,4 +1,4 @@
-"""The ``sdpatch`` command line: ``generate`` and ``info``.
+"""The ``sdpatch`` command line: ``generate``, ``compare`` and ``info``.
 
 Commands parse their options, call the library (:mod:`sdpatch.generate`) and format what it
 returns. Option types are defined once below, so that later commands share them.
@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from sdpatch.compare import CompareSettings, parse_backends, parse_sizes
+from sdpatch.compare import run as run_compare
 from sdpatch.errors import InputError
 from sdpatch.generate import GenerationRequest, environment, run
 
@@ -111,8 +113,9 @@ class _OneLineErrors(TyperGroup):
             typer.echo(f"sdpatch: error: {err}", err=True)
             code = 2
         except (KeyboardInterrupt, typer.Abort):
-            typer.echo("sdpatch: interrupted (finished images are kept)", err=True)
             code = 130
+        if code == 130:  # newer typers turn Ctrl-C into a silent exit code 130 themselves
+            typer.echo("sdpatch: interrupted (finished images are kept)", err=True)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
@@ -196,14 +199,139 @@ def info() -> None:
         typer.echo(f"  {name:<8} {mark}  {status['reason']}")
 
 
+SizesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sizes",
+        help="Square image sides in pixels, comma-separated, each a multiple of 8, e.g. 512,1024,2048 "
+        "(default: the model's native size, 2x and 4x).",
+    ),
+]
+BackendsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--backends",
+        help="Comma-separated: stock (unpatched), naive (diffusers' AttnProcessor), sliced (diffusers' "
+        "attention slicing), xformers (where installed), and sdpatch's sdpa, triton, chunked, auto. The "
+        "reference for PSNR is stock, if named, else the first (default: every one that can run here, except auto).",
+    ),
+]
+PromptOpt = Annotated[str, typer.Option("--prompt", "-p", help="The prompt of every cell.")]
+CompareSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the initial latents, the same in every cell.")]
+BatchOpt = Annotated[
+    int, typer.Option("--batch", help="Images per pipeline call; the UNet batch is twice that with guidance.")
+]
+VramCapOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--vram-cap",
+        help="Emulate a GPU with this many GiB (torch.cuda.set_per_process_memory_fraction). CUDA only.",
+    ),
+]
+MaxSizeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--max-size", help="Also find, per backend, the largest square size (steps of 64 px) that completes."
+    ),
+]
+MaxSizeLimitOpt = Annotated[
+    int | None,
+    typer.Option("--max-size-limit", help="Largest size --max-size tries, a multiple of 64 (default: 8192)."),
+]
+WarmupOpt = Annotated[
+    bool,
+    typer.Option(
+        "--warmup/--no-warmup",
+        help="Run each cell once with one step before measuring it, so that one-time costs (Triton "
+        "autotuning, cuDNN plans) stay out of the figures.",
+    ),
+]
+OutDirOpt = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Output folder (new, or empty; a non-empty one needs --overwrite, else DIR-2 is used).",
+    ),
+]
+
+
+@app.command(
+    help="Compare attention backends across image sizes: peak memory per phase, seconds per step and "
+    "PSNR against stock, in report.json, report.md, a memory chart and an image grid. Out of memory "
+    f"is a result, not a failure. {_TINY}"
+)
+def compare(
+    model: ModelOpt = "tiny",
+    sizes: SizesOpt = None,
+    backends: BackendsOpt = None,
+    prompt: PromptOpt = CompareSettings.prompt,
+    steps: StepsOpt = CompareSettings.steps,
+    seed: CompareSeedOpt = CompareSettings.seed,
+    guidance_scale: GuidanceOpt = CompareSettings.guidance_scale,
+    batch: BatchOpt = CompareSettings.batch,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    vram_cap: VramCapOpt = None,
+    max_size: MaxSizeOpt = False,
+    max_size_limit: MaxSizeLimitOpt = None,
+    warmup: WarmupOpt = CompareSettings.warmup,
+    out: OutDirOpt = Path("sdpatch-compare"),
+    overwrite: OverwriteOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+) -> None:
+    if max_size_limit is not None and not max_size:
+        raise InputError("--max-size-limit is only used with --max-size")
+    settings = CompareSettings(
+        sizes=parse_sizes(sizes) if sizes is not None else None,
+        backends=parse_backends(backends) if backends is not None else None,
+        prompt=prompt,
+        steps=steps,
+        guidance_scale=guidance_scale,
+        seed=seed,
+        batch=batch,
+        vram_cap_gib=vram_cap,
+        max_size=max_size,
+        max_size_limit=max_size_limit if max_size_limit is not None else CompareSettings.max_size_limit,
+        warmup=warmup,
+    )
+    report = run_compare(
+        settings,
+        model=model,
+        device=device,
+        dtype=dtype,
+        out=out,
+        overwrite=overwrite,
+        allow_pickle=allow_pickle,
+        on_cell=lambda cell: typer.echo(("max-size probe " if cell.kind == "probe" else "") + cell.summary()),
+    )
+    typer.echo("")
+    typer.echo(report.main_table())
+    for backend, found in report.max_sizes.items():
+        typer.echo(f"largest size, {backend}: " + (f"{found.size}²" if found.size else "none"))
+    typer.echo(report.baseline_check()["message"])
+    for note in report.notes:
+        typer.echo(f"note: {note}")
+    files = ", ".join(f for f in ("report.json", "report.md", report.chart, report.grid) if f)
+    typer.echo(f"wrote {report.out_dir}: {files}, images/")
+    errors = sum(c.status == "error" for c in report.all_cells)
+    if errors:
+        typer.echo(f"sdpatch: {errors} cell(s) failed with an error other than out of memory: see report.md", err=True)
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Deprecation notices are for the code that calls diffusers, not for the person running sdpatch.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    # transformers warns about optional image-processor extras that text-to-image never uses.
+    # transformers warns about optional image-processor extras that text-to-image never uses;
+    # diffusers about its own fallbacks (the single-file loader's Hub download), which sdpatch
+    # turns into one-line errors itself.
+    from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
     app()

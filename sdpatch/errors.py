@@ -8,3 +8,9 @@ class InputError(ValueError):
 
     Raised before anything heavy is loaded or anything is written, wherever the check allows.
     """
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its class name if the message is empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -28,14 +29,21 @@ import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from sdpatch.attention import BACKENDS, backend_status
+from sdpatch.attention import BACKENDS, BackendUnavailableError, backend_status
 from sdpatch.errors import InputError
 from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, summarize, total, weights_bytes
 from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
 
 logger = logging.getLogger(__name__)
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # reading the umask means setting it: put it straight back
 
 GENERATE_BACKENDS = ("stock", *BACKENDS)
+# Sanity bounds that turn a typo into an error instead of a hang or an OOM kill. At 16384 px a
+# side, each of the VAE decoder's activations is already 64 GiB in fp16.
+MAX_SIDE = 16384
+MAX_IMAGES = 10_000
+MAX_SEED = 2**64 - 1  # the largest seed a torch.Generator takes
 PHASE_LABELS = {"text_encoding": "text encoding", "denoising": "denoising", "vae_decode": "VAE decode"}
 
 
@@ -58,17 +66,27 @@ class GenerationRequest:
 
     def validate(self) -> None:
         """Raise InputError for a value no pipeline can run."""
+        for name, text in (("the prompt", self.prompt), ("--negative-prompt", self.negative_prompt)):
+            try:
+                (text or "").encode("utf-8")
+            except UnicodeEncodeError:  # e.g. undecodable bytes in argv, kept as lone surrogates
+                raise InputError(f"{name} is not valid UTF-8 text") from None
         for name, value in (("height", self.height), ("width", self.width)):
             if value is not None and (value <= 0 or value % 8):
                 raise InputError(f"--{name} must be a positive multiple of 8, got {value}")
+            if value is not None and value > MAX_SIDE:
+                raise InputError(f"--{name} must be at most {MAX_SIDE}, got {value}")
         if self.steps <= 0:
             raise InputError(f"--steps must be at least 1, got {self.steps}")
-        if not self.guidance_scale >= 0:  # also rejects NaN
-            raise InputError(f"--guidance-scale must be >= 0, got {self.guidance_scale}")
-        if self.num_images <= 0:
-            raise InputError(f"--num-images must be at least 1, got {self.num_images}")
-        if self.seed < 0:
-            raise InputError(f"--seed must be >= 0, got {self.seed}")
+        if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
+            raise InputError(f"--guidance-scale must be a finite number >= 0, got {self.guidance_scale}")
+        if not 1 <= self.num_images <= MAX_IMAGES:
+            raise InputError(f"--num-images must be between 1 and {MAX_IMAGES}, got {self.num_images}")
+        if not 0 <= self.seed <= MAX_SEED - (self.num_images - 1):
+            raise InputError(
+                f"--seed must be between 0 and {MAX_SEED - (self.num_images - 1)} "
+                f"(image i uses seed + i, at most 2**64 - 1), got {self.seed}"
+            )
 
     @property
     def seeds(self) -> list[int]:
@@ -165,6 +183,14 @@ class GenerationReport:
             counts = Counter(layer["backend"] for layer in self.patch["layers"])
             served = ", ".join(f"{name} {n}" for name, n in counts.most_common())
             lines.append(f"attention layers: {served}")
+            falls = self.patch["fallbacks"]
+            if falls:
+                calls = sum(f["calls"] for f in falls)
+                last = falls[-1]
+                lines.append(
+                    f"fallbacks: {calls} attention calls in {len(falls)} layers ran chunked after "
+                    f"{last['backend']} failed ({last['reason']})"
+                )
         if n > 1:
             lines.append(f"time: mean per image; peaks: highest over the {n} images")
         denoise = next((p for p in phases if p.name == "denoising"), None)
@@ -283,10 +309,15 @@ def generate(
         on_image: called with each image's record once it is written.
     """
     request.validate()
+    timesteps = pipe.scheduler.config.num_train_timesteps
+    if request.steps > timesteps:  # past it, diffusers' schedulers raise or index out of range mid-run
+        raise InputError(f"--steps must be at most {timesteps} for {model}, got {request.steps}")
     size = default_size(pipe)
     request = replace(request, height=request.height or size, width=request.width or size)
     if outputs is not None and len(outputs) != request.num_images:
         raise ValueError(f"{len(outputs)} output paths for {request.num_images} images")
+    if outputs:
+        outputs[0].parent.mkdir(exist_ok=True)  # plan_outputs checked that its parent exists
     pipe.set_progress_bar_config(disable=not progress)
     device = pipe._execution_device
     meter = MemoryMeter(device)
@@ -303,6 +334,8 @@ def generate(
         notes=list(notes or []),
     )
     images: list[Image.Image] = []
+    if report_json is not None:  # from the start, an interrupted run leaves a valid report
+        write_json(report_json, report.to_dict())
     for index, seed in enumerate(request.seeds):
         meter.phases = []
         batch = measured_call(
@@ -371,19 +404,20 @@ def run(
 
     pipe = load_pipeline(source, device=torch_device, dtype=torch_dtype)
     apply_backend(pipe, backend)
-    if outputs and not outputs[0].parent.exists():
-        outputs[0].parent.mkdir()  # plan_outputs checked that its parent exists
-    return generate(
-        pipe,
-        request,
-        model=model,
-        backend=backend,
-        outputs=outputs,
-        report_json=report_json,
-        notes=[dtype_note] if dtype_note else None,
-        progress=progress,
-        on_image=on_image,
-    )
+    try:
+        return generate(
+            pipe,
+            request,
+            model=model,
+            backend=backend,
+            outputs=outputs,
+            report_json=report_json,
+            notes=[dtype_note] if dtype_note else None,
+            progress=progress,
+            on_image=on_image,
+        )
+    except BackendUnavailableError as err:  # e.g. --backend triton, whose kernel failed to compile mid-run
+        raise InputError(str(err)) from err
 
 
 def apply_backend(pipe: Any, backend: str) -> None:
@@ -427,7 +461,7 @@ def plan_outputs(output: Path | None, seeds: list[int], *, overwrite: bool) -> l
         raise InputError(f"--output {output}: images are written as .png files; give a .png file or a folder")
     if output.exists() and not output.is_dir():
         raise InputError(f"--output {output} exists and is not a folder")
-    _check_folder(output.parent if not output.exists() else output, "--output")
+    check_folder(output.parent if not output.exists() else output, "--output")
     paths = [output / f"sdpatch-{seed}.png" for seed in seeds]
     for path in paths:
         if path.exists() and not overwrite:
@@ -440,7 +474,7 @@ def check_output_file(path: Path, *, overwrite: bool, what: str) -> None:
     exist yet or ``overwrite`` is set."""
     if path.is_dir():
         raise InputError(f"{what} {path} is a folder, not a file")
-    _check_folder(path.parent, what)
+    check_folder(path.parent, what)
     if path.exists() and not overwrite:
         raise InputError(f"{path} already exists (pass --overwrite to replace it)")
 
@@ -474,12 +508,12 @@ def write_png(image: Image.Image, path: Path, text: dict[str, str]) -> None:
     info = PngInfo()
     for key, value in text.items():
         info.add_itxt(key, value)  # iTXt is UTF-8: prompts may be any language
-    _atomic_write(path, lambda f: image.save(f, format="PNG", pnginfo=info))
+    atomic_write(path, lambda f: image.save(f, format="PNG", pnginfo=info))
 
 
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` atomically."""
-    _atomic_write(path, lambda f: f.write(json.dumps(data, indent=2).encode()))
+    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2).encode()))
 
 
 def device_name(device: torch.device) -> str:
@@ -529,7 +563,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _check_folder(folder: Path, what: str) -> None:
+def check_folder(folder: Path, what: str) -> None:
     folder = folder if str(folder) else Path(".")
     if not folder.is_dir():
         raise InputError(f"{what}: folder {folder} does not exist")
@@ -537,11 +571,13 @@ def _check_folder(folder: Path, what: str) -> None:
         raise InputError(f"{what}: folder {folder} is not writable")
 
 
-def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
+def atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
+    """Write ``path`` through ``write(file)`` into a temporary file beside it, then rename it over."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file a plain file's mode
         os.replace(tmp, path)
     except BaseException:  # KeyboardInterrupt too: never leave the temporary file behind
         Path(tmp).unlink(missing_ok=True)

@@ -131,6 +131,13 @@ class MemoryMeter:
         yield self.phases[-1]
         self.stop()
 
+    def in_use(self) -> int:
+        """Bytes in use now: allocated by PyTorch on CUDA, the process's resident memory elsewhere."""
+        self.synchronize()
+        if self.kind == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return host_resident_bytes()
+
     def synchronize(self) -> None:
         """Wait for the device's queued work, so that times and peaks cover it."""
         if self.device.type == "cuda":
@@ -194,6 +201,20 @@ def host_peak_bytes() -> int:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+def host_resident_bytes() -> int:
+    """Resident memory of this process now."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil  # not Linux: no /proc
+
+    return psutil.Process().memory_info().rss
 
 
 def format_bytes(n: int | None) -> str:

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import torch
 
 from sdpatch.configs import load_component_config, tokenizer_dir
-from sdpatch.errors import InputError
+from sdpatch.errors import InputError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -278,13 +278,16 @@ def _single_file_pipeline_class(path: Path, allow_pickle: bool) -> str:
             mmap = zipfile.is_zipfile(path)
             checkpoint = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
         except Exception as exc:  # noqa: BLE001 (any failure here means "not a checkpoint")
-            raise InputError(f"cannot read {path.name} as a checkpoint: {_first_line(exc)}") from None
+            raise InputError(f"cannot read {path.name} as a checkpoint: {first_line(exc)}") from None
         checkpoint = checkpoint.get("state_dict", checkpoint)
     if not any(key.startswith("model.diffusion_model.") for key in checkpoint):
         raise InputError(f"{path.name} is not a Stable Diffusion checkpoint (no model.diffusion_model.* weights)")
     from diffusers.loaders.single_file_utils import infer_diffusers_model_type
 
-    model_type = infer_diffusers_model_type(checkpoint)
+    try:
+        model_type = infer_diffusers_model_type(checkpoint)
+    except Exception as exc:  # noqa: BLE001 (it indexes tensor shapes that a damaged file may lack)
+        raise InputError(f"cannot tell which model {path.name} is: {type(exc).__name__}: {first_line(exc)}") from None
     if model_type not in _SINGLE_FILE_TYPES:
         raise InputError(f"{path.name} is a {model_type!r} checkpoint; sdpatch runs SD 1.x, 2.x and SDXL base")
     return _SINGLE_FILE_TYPES[model_type]
@@ -304,7 +307,7 @@ class _SafetensorsView(Mapping[str, torch.Tensor]):
             self._file = safe_open(str(path), framework="pt")
             self._keys = set(self._file.keys())
         except Exception as exc:  # noqa: BLE001 (safetensors raises several unrelated types)
-            raise InputError(f"cannot read {path.name} as safetensors: {_first_line(exc)}") from None
+            raise InputError(f"cannot read {path.name} as safetensors: {first_line(exc)}") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
@@ -363,7 +366,7 @@ def _resolve_hub(repo_id: str) -> ModelSource:
     try:
         index_path = hf_hub_download(repo_id, "model_index.json")
     except (HfHubHTTPError, OSError) as exc:
-        raise InputError(f"cannot fetch model {repo_id!r} from the Hub: {_first_line(exc)}") from None
+        raise InputError(f"cannot fetch model {repo_id!r} from the Hub: {first_line(exc)}") from None
     return ModelSource(repo_id, "hub", _pipeline_class_from_index(Path(index_path), repo_id), repo_id, cached=False)
 
 
@@ -374,9 +377,4 @@ def _load_failure(source: ModelSource, exc: BaseException) -> str:
             "configs and tokenizer from the Hugging Face Hub, which are not cached here, and this run is "
             "offline; run it once online, or use a diffusers folder"
         )
-    return f"cannot load model {source.name!r}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return f"cannot load model {source.name!r}: {first_line(exc)}"

@@ -52,10 +52,23 @@ class LayerRow:
 
 
 @dataclass(frozen=True)
+class LayerFallback:
+    """A patched layer some of whose calls the chunked backend served after its backend failed
+    (out of memory, or a Triton kernel that would not compile); see :func:`sdpatch.attention`."""
+
+    name: str
+    calls: int  # calls served by the fallback since the layer was patched
+    backend: str  # the backend that failed on the latest of them
+    reason: str  # why it failed
+
+
+@dataclass(frozen=True)
 class PatchReport:
-    """Which attention layers sdpatch serves, with which backend and why; one row per layer."""
+    """Which attention layers sdpatch serves, with which backend and why; one row per layer,
+    and the layers whose calls had to fall back."""
 
     rows: tuple[LayerRow, ...]
+    fallbacks: tuple[LayerFallback, ...] = ()
 
     @property
     def patched(self) -> int:
@@ -67,7 +80,12 @@ class PatchReport:
 
     def to_dict(self) -> dict:
         """Plain JSON-serializable data: a summary and one dict per layer."""
-        return {"patched": self.patched, "kept": self.kept, "layers": [asdict(r) for r in self.rows]}
+        return {
+            "patched": self.patched,
+            "kept": self.kept,
+            "layers": [asdict(r) for r in self.rows],
+            "fallbacks": [asdict(f) for f in self.fallbacks],
+        }
 
     def __str__(self) -> str:
         cols = [f.name for f in fields(LayerRow) if f.name != "patched"]
@@ -75,7 +93,11 @@ class PatchReport:
         widths = [max(len(line[i]) for line in table) for i in range(len(cols) - 1)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1] for line in table]
         head = f"sdpatch: {len(self.rows)} attention layers, {self.patched} patched, {self.kept} kept"
-        return "\n".join([head, *lines])
+        falls = [
+            f"fallback: {f.name}: {f.calls} calls ran chunked after {f.backend} failed: {f.reason}"
+            for f in self.fallbacks
+        ]
+        return "\n".join([head, *lines, *falls])
 
 
 def _attention_layers(target: object, include_vae: bool) -> list[tuple[str, Attention]]:
@@ -203,9 +225,10 @@ def patch_report(target: object, *, include_vae: bool = True) -> PatchReport:
 
     For a patched layer: the sequence lengths of its latest call, and the backend that call got
     and why (before any call: what it would get on the device and dtype of the layer's weights).
-    Other layers show ``kept: <processor class>``. Raises TypeError like :func:`patch_unet`.
+    Other layers show ``kept: <processor class>``. Layers whose calls fell back to chunked are
+    listed in ``fallbacks``. Raises TypeError like :func:`patch_unet`.
     """
-    rows = []
+    rows, fallbacks = [], []
     for name, attn in _attention_layers(target, include_vae):
         proc = attn.processor
         head_dim = attn.inner_dim // attn.heads
@@ -230,4 +253,7 @@ def patch_report(target: object, *, include_vae: bool = True) -> PatchReport:
             backend, reason = proc.backend, f"cannot run on {device}: {err}"
         nq, nk = (None, None) if call is None else (call.nq, call.nk)
         rows.append(LayerRow(name, kind, attn.heads, head_dim, nq, nk, True, backend, reason))
-    return PatchReport(tuple(rows))
+        if proc.last_fallback is not None:
+            event = proc.last_fallback
+            fallbacks.append(LayerFallback(name, proc.fallbacks, event.backend, event.reason))
+    return PatchReport(tuple(rows), tuple(fallbacks))

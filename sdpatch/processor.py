@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .attention import BackendUnavailableError, attention
+from .attention import BackendUnavailableError, Fallback, attention
 
 if TYPE_CHECKING:
     from diffusers.models.attention_processor import Attention
@@ -49,9 +49,15 @@ class SdpatchAttnProcessor:
         self.chunk_budget = chunk_budget
         self.fused = fused
         self.last_call: LastCall | None = None
+        self.fallbacks = 0  # calls that the chunked backend served after the chosen one failed
+        self.last_fallback: Fallback | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, backend={self.backend!r})"
+
+    def _fell_back(self, event: Fallback) -> None:
+        self.fallbacks += 1
+        self.last_fallback = event
 
     def __call__(
         self,
@@ -119,6 +125,7 @@ class SdpatchAttnProcessor:
                 backend=self.backend,
                 chunk_budget=self.chunk_budget,
                 upcast=attn.upcast_attention or attn.upcast_softmax,
+                on_fallback=self._fell_back,
             )
         except (BackendUnavailableError, ValueError, TypeError) as err:
             # Say which layer failed; keep the class so callers can still catch it.
