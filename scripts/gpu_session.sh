@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one call on a fresh CUDA machine with no network:
-#   bash scripts/gpu_session.sh [step ...]     (steps: check sanitize bench unet compare train; default all)
+#   bash scripts/gpu_session.sh [step ...]     (steps: check sanitize bench unet profile compare train; default all;
+#   they take 20+ minutes together, so split them over calls of under 10 minutes)
 # Expects the wheels of sdpatch and diffusers in .whl/ (see docs/benchmarks.md), writes to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -20,6 +21,7 @@ for s in $steps; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
       done ;;
     bench) python3 scripts/bench_kernels.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
+    profile) python3 scripts/profile_unet.py 2>&1 | tee "$OUT/profile_unet.log" || rc=1 ;;
     unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
     compare) python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked --steps 3 --seed 0 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;
     train) python3 scripts/bench_train_step.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" || rc=1 ;;
