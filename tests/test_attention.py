@@ -248,3 +248,18 @@ def test_head_dim_parts():
     assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256)] == [
         (32, 16), (64, 0), (64, 16), (256, 0), (32, 0), (16, 0), (256, 0)
     ]
+
+
+@pytest.mark.parametrize(
+    "D,dtype,layout,expect",
+    [
+        (64, "fp16", "contiguous", 16),  # Triton proves this alone; the hint must not claim less
+        (40, "fp16", "bnhd", 8),  # rows of 80 bytes: 16-byte aligned, not 16-element
+        (40, "fp32", "contiguous", 4),
+        (40, "fp16", "sliced", 1),  # starts 6 bytes into its buffer: no alignment to claim
+    ],
+)
+def test_vector_align(D, dtype, layout, expect):
+    from sdpatch.kernels.flash_fwd import vector_align
+
+    assert vector_align(*make_qkv(2, 4, 33, 33, D, DT[dtype], layout)) == expect
