@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, _masked_scores, autotune_options, interpreting, launch_grid, mask_kind, tile_configs, vector_align
+from .flash_fwd import LOG2E, MAX_HEAD_DIM, _masked_scores, autotune_options, interpreting, launch_grid, mask_kind, on_device, tile_configs, vector_align
 
 
 @triton.jit
@@ -285,11 +285,6 @@ def flash_attn_bwd(
     block_d = max(16, triton.next_power_of_2(D))
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    _bwd_preprocess[launch_grid(Nq, BH, _PREPROCESS_BLOCK_M)](
-        out, do, delta, *out.stride(), *do.stride(), H, BH, Nq,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
-    )
-
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ms = mask.stride() if mask is not None else (0, 0, 0, 0)
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
@@ -305,10 +300,15 @@ def flash_attn_bwd(
     dkdv_args = (q, k, v, mask, do, dk, dv, lse, delta, *common, *dk.stride(), *dv.stride(), *tail)
     dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *tail)
     config = config or (_INTERPRET_CONFIG if interpreting() else None)
-    if config is not None:
-        _bwd_dkdv_kernel[launch_grid(Nk, BH, config["BLOCK_N"])](*dkdv_args, **meta, **config)
-        _bwd_dq_kernel[launch_grid(Nq, BH, config["BLOCK_M"])](*dq_args, **meta, **config)
-    else:
-        _dkdv_tuned[lambda META: launch_grid(Nk, BH, META["BLOCK_N"])](*dkdv_args, **meta)
-        _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)
+    with on_device(q):
+        _bwd_preprocess[launch_grid(Nq, BH, _PREPROCESS_BLOCK_M)](
+            out, do, delta, *out.stride(), *do.stride(), H, BH, Nq,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
+        )
+        if config is not None:
+            _bwd_dkdv_kernel[launch_grid(Nk, BH, config["BLOCK_N"])](*dkdv_args, **meta, **config)
+            _bwd_dq_kernel[launch_grid(Nq, BH, config["BLOCK_M"])](*dq_args, **meta, **config)
+        else:
+            _dkdv_tuned[lambda META: launch_grid(Nk, BH, META["BLOCK_N"])](*dkdv_args, **meta)
+            _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)
     return dq, dk, dv

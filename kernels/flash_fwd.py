@@ -8,6 +8,7 @@ through zero strides.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -259,6 +260,11 @@ def vector_align(*tensors: torch.Tensor) -> int:
     return 1
 
 
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device, not the tensors': make ``t``'s current."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def mask_kind(mask: torch.Tensor | None) -> int:
     if mask is None:
         return NO_MASK
@@ -331,13 +337,14 @@ def flash_attn_fwd(
         return launch_grid(Nq, BH, META["BLOCK_M"])
 
     config = config or (_INTERPRET_CONFIG if interpreting() else None)
-    if config is not None:
-        meta["EVEN_N"] = Nk % config["BLOCK_N"] == 0
-        _attn_fwd_kernel[grid(config)](*args, **meta, **config)
-    else:
-        # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
-        meta["EVEN_N"] = Nk % 128 == 0
-        _attn_fwd_tuned[grid](*args, **meta)
+    with on_device(q):
+        if config is not None:
+            meta["EVEN_N"] = Nk % config["BLOCK_N"] == 0
+            _attn_fwd_kernel[grid(config)](*args, **meta, **config)
+        else:
+            # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
+            meta["EVEN_N"] = Nk % 128 == 0
+            _attn_fwd_tuned[grid](*args, **meta)
     return out, lse
 
 
