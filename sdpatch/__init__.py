@@ -11,6 +11,7 @@ from .attention import (
     explain,
 )
 from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
+from .planner import Plan, apply_plan, fit, plan, remove_plan
 from .processor import SdpatchAttnProcessor
 
 __version__ = "0.1.0"
@@ -21,12 +22,17 @@ __all__ = [
     "BackendUnavailableError",
     "Fallback",
     "PatchReport",
+    "Plan",
     "SdpatchAttnProcessor",
+    "apply_plan",
     "attention",
     "backend_status",
     "choose_backend",
     "explain",
+    "fit",
     "patch_report",
     "patch_unet",
+    "plan",
+    "remove_plan",
     "unpatch_unet",
 ]

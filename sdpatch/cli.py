@@ -19,6 +19,8 @@ from sdpatch.compare import CompareSettings, parse_backends, parse_sizes
 from sdpatch.compare import run as run_compare
 from sdpatch.errors import InputError
 from sdpatch.generate import GenerationRequest, environment, run
+from sdpatch.planner import request_expandable_segments
+from sdpatch.multi import refuse_launch_without_prompts_file, run_prompts
 
 try:  # typer >= 0.26 vendors click; older typers use click itself
     from typer._click import exceptions as click_exceptions
@@ -45,16 +47,19 @@ NegativePromptOpt = Annotated[
     str | None, typer.Option("--negative-prompt", "-n", help="What the image should not show.")
 ]
 HeightOpt = Annotated[
-    int | None, typer.Option("--height", "-H", help="Image height in pixels, a multiple of 8 [default: model's native]")
+    int | None, typer.Option("--height", "-H", help="Image height in pixels, a multiple of 8 (default: the model's native size).")
 ]
 WidthOpt = Annotated[
-    int | None, typer.Option("--width", "-W", help="Image width in pixels, a multiple of 8 [default: model's native]")
+    int | None, typer.Option("--width", "-W", help="Image width in pixels, a multiple of 8 (default: the model's native size).")
 ]
 StepsOpt = Annotated[int, typer.Option("--steps", "-s", help="Denoising steps (num_inference_steps).")]
 GuidanceOpt = Annotated[
     float, typer.Option("--guidance-scale", "-g", help="Classifier-free guidance scale; <= 1 turns guidance off.")
 ]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the first image; image i uses seed + i.")]
+SeedOpt = Annotated[
+    int,
+    typer.Option("--seed", help="Seed of the first image; image i uses seed + i (counted over a whole --prompts-file)."),
+]
 NumImagesOpt = Annotated[int, typer.Option("--num-images", help="How many images, generated one after another.")]
 BackendOpt = Annotated[
     str,
@@ -78,7 +83,7 @@ OutputOpt = Annotated[
         "--output",
         "-o",
         help="A .png file for one image, or a folder (existing, or new inside an existing one) "
-        "where images are named sdpatch-<seed>.png [default: the current folder]",
+        "where images are named sdpatch-<seed>.png (default: the current folder).",
     ),
 ]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace output files that already exist.")]
@@ -89,6 +94,32 @@ AllowPickleOpt = Annotated[
     bool,
     typer.Option(
         "--allow-pickle", help="Allow loading a .ckpt file. It is pickle, and unpickling can run code: trust the file."
+    ),
+]
+VramBudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--vram-budget",
+        help="GiB of GPU memory (PyTorch's peak reserved; host memory on the CPU) the run must fit in, or auto "
+        "(the device's free memory): memory levers are chosen, cheapest first, until the estimate fits. "
+        "A budget that cannot be met is an error before the run.",
+        show_default=False,
+    ),
+]
+BestEffortOpt = Annotated[
+    bool,
+    typer.Option(
+        "--best-effort", help="With --vram-budget: run the best plan even when it cannot fit, and report the miss."
+    ),
+]
+PromptsFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts-file",
+        help="Instead of PROMPT: a UTF-8 file of prompts, one a line (blank lines and lines starting with # "
+        "are skipped). Images go into the --output folder as p<index>-s<seed>.png, the report into "
+        "sdpatch-report.json there (or --report-json). Started with `accelerate launch -m sdpatch generate "
+        "...`, the processes share the prompts.",
     ),
 ]
 
@@ -131,9 +162,14 @@ app = typer.Typer(
 )
 
 
-@app.command(help=f"Generate images from PROMPT and report time and peak memory per phase. {_TINY}")
+@app.command(
+    help=f"Generate images from PROMPT (or --prompts-file) and report time and peak memory per phase. {_TINY}"
+)
 def generate(
-    prompt: Annotated[str, typer.Argument(help="What the image should show.")],
+    prompt: Annotated[
+        str | None, typer.Argument(help="What the image should show.", metavar="PROMPT", show_default=False)
+    ] = None,
+    prompts_file: PromptsFileOpt = None,
     model: ModelOpt = "tiny",
     negative_prompt: NegativePromptOpt = None,
     height: HeightOpt = None,
@@ -149,9 +185,20 @@ def generate(
     overwrite: OverwriteOpt = False,
     report_json: ReportJsonOpt = None,
     allow_pickle: AllowPickleOpt = False,
+    vram_budget: VramBudgetOpt = None,
+    best_effort: BestEffortOpt = False,
 ) -> None:
+    if (prompt is None) == (prompts_file is None):
+        raise InputError("give a PROMPT or --prompts-file FILE" + (", not both" if prompt is not None else ""))
+    if prompts_file is not None and (vram_budget is not None or best_effort):
+        raise InputError("--vram-budget and --best-effort do not work with --prompts-file yet")
+    if vram_budget is not None:
+        # PyTorch reads its allocator settings once, when CUDA starts: this is before anything touches it.
+        note = request_expandable_segments()
+        if note:
+            logging.getLogger(__name__).warning("expandable segments stay off: %s", note)
     request = GenerationRequest(
-        prompt=prompt,
+        prompt=prompt or "",
         negative_prompt=negative_prompt,
         height=height,
         width=width,
@@ -160,8 +207,7 @@ def generate(
         seed=seed,
         num_images=num_images,
     )
-    result = run(
-        request,
+    options: dict[str, Any] = dict(
         model=model,
         backend=backend,
         device=device,
@@ -172,6 +218,14 @@ def generate(
         allow_pickle=allow_pickle,
         on_image=lambda record: typer.echo(f"saved {record.path}"),
     )
+    if prompts_file is not None:
+        multi = run_prompts(request, prompts_file, **options)
+        if multi.report is not None:  # the main process
+            typer.echo(multi.report.format_table())
+            typer.echo(f"report: {multi.report_path}")
+        raise typer.Exit(multi.exit_code)
+    refuse_launch_without_prompts_file()
+    result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort)
     typer.echo(result.report.format_table())
     if report_json is not None:
         typer.echo(f"report: {report_json}")
@@ -246,6 +300,15 @@ WarmupOpt = Annotated[
         "autotuning, cuDNN plans) stay out of the figures.",
     ),
 ]
+CompareVramBudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--vram-budget",
+        help="Add a 'planned' column: sdpatch auto with the memory levers that fit this many GiB (or auto: the "
+        "device's free memory, or --vram-cap), planned per size; the report gives each lever's PSNR.",
+        show_default=False,
+    ),
+]
 OutDirOpt = Annotated[
     Path,
     typer.Option(
@@ -276,6 +339,7 @@ def compare(
     max_size: MaxSizeOpt = False,
     max_size_limit: MaxSizeLimitOpt = None,
     warmup: WarmupOpt = CompareSettings.warmup,
+    vram_budget: CompareVramBudgetOpt = None,
     out: OutDirOpt = Path("sdpatch-compare"),
     overwrite: OverwriteOpt = False,
     allow_pickle: AllowPickleOpt = False,
@@ -294,6 +358,7 @@ def compare(
         max_size=max_size,
         max_size_limit=max_size_limit if max_size_limit is not None else CompareSettings.max_size_limit,
         warmup=warmup,
+        vram_budget=vram_budget,
     )
     report = run_compare(
         settings,

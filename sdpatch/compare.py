@@ -53,6 +53,7 @@ from sdpatch.generate import (
 )
 from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, total, weights_bytes
 from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
+from sdpatch.planner import apply_plan, fit, parse_budget, plan_lines, remove_plan, single_lever
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ BACKEND_DESCRIPTIONS = {
     "triton": "sdpatch's Triton flash kernel in the UNet; the VAE (one head of dim 512) gets sdpatch auto",
     "chunked": "sdpatch's chunked-query PyTorch fallback: UNet and VAE",
     "auto": "sdpatch auto (Triton where it can serve a layer, else chunked): UNet and VAE",
+    "planned": "sdpatch auto with the --vram-budget plan for each size (see the plans section)",
 }
 
 # How far apart cell baselines may be and still count as equal. The caching allocator gives
@@ -82,6 +84,7 @@ BACKEND_DESCRIPTIONS = {
 BASELINE_TOLERANCE = {"cuda": 16 * 1024**2, "host": 64 * 1024**2}
 
 _CHART_NOTE = "chart not drawn:"
+PLANNED = "planned"  # the --vram-budget column
 
 # Issue 5's reference: one SD 1.5 UNet call, batch 2, fp16, H200; peak over the weights.
 SD15_REFERENCE = {
@@ -106,7 +109,8 @@ class CompareSettings:
     is twice that with classifier-free guidance). ``vram_cap_gib`` emulates a smaller GPU.
     ``warmup`` runs each cell once with one step, unmeasured, before measuring it, so that
     one-time costs (Triton autotuning's scratch buffers, cuDNN plans, cuBLAS workspaces) stay
-    out of the figures.
+    out of the figures. ``vram_budget`` (GiB or ``auto``) adds the ``planned`` column: sdpatch
+    auto with the levers :func:`sdpatch.planner.fit` picks for each size.
     """
 
     sizes: tuple[int, ...] | None = None
@@ -120,6 +124,7 @@ class CompareSettings:
     max_size: bool = False
     max_size_limit: int = 8192
     warmup: bool = True
+    vram_budget: str | None = None
 
     def validate(self) -> None:
         """Raise InputError for settings no run can use (device-independent checks)."""
@@ -135,6 +140,8 @@ class CompareSettings:
             raise InputError(f"--vram-cap must be a positive number of GiB, got {self.vram_cap_gib}")
         if self.max_size_limit < SIZE_STEP or self.max_size_limit % SIZE_STEP:
             raise InputError(f"--max-size-limit must be a positive multiple of {SIZE_STEP}, got {self.max_size_limit}")
+        if self.vram_budget is not None:
+            parse_budget(self.vram_budget)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +156,7 @@ class CompareSettings:
             "max_size": self.max_size,
             "max_size_limit": self.max_size_limit if self.max_size else None,
             "warmup": self.warmup,
+            "vram_budget": self.vram_budget,
         }
 
 
@@ -286,6 +294,7 @@ class Cell:
     reference: str | None = None
     max_abs_diff: int | None = None
     psnr_db: float | None = None
+    plan: dict[str, Any] | None = None  # the planned column's plan, with each lever's PSNR
 
     @property
     def failure(self) -> str | None:
@@ -330,6 +339,8 @@ class Cell:
         parts = [f"peak {format_bytes(self.peak)}", _per_step(self.seconds_per_step)]
         if self.reference is not None and self.reference != self.backend:
             parts.append(f"PSNR {_format_psnr(self.psnr_db)} vs {self.reference}, max diff {self.max_abs_diff}")
+        if self.plan is not None:
+            parts.append("plan: " + (", ".join(s["setting"] for s in self.plan["levers"]) or "no lever"))
         return f"{head}: " + ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,6 +369,7 @@ class Cell:
             "reference": self.reference,
             "max_abs_diff": self.max_abs_diff,
             "psnr_db": _json_float(self.psnr_db),
+            "plan": self.plan,
         }
 
     @classmethod
@@ -373,7 +385,8 @@ class Cell:
             phases=phases,
             reference=data["reference"],
             max_abs_diff=data["max_abs_diff"],
-            psnr_db=math.inf if psnr == "inf" else psnr,
+            psnr_db=_psnr_value(psnr),
+            plan=data.get("plan"),
         )
 
 
@@ -405,13 +418,14 @@ class BackendSwitcher:
         elif backend == "xformers":
             pipe.enable_xformers_memory_efficient_attention()
         elif backend != "stock":
-            apply_backend(pipe, backend)
+            apply_backend(pipe, "auto" if backend == PLANNED else backend)
         self.current = backend
 
     def restore(self) -> None:
         """Put the stock processors back (the very objects the pipeline had)."""
         from sdpatch.patch import unpatch_unet
 
+        remove_plan(self.pipe)
         if self.current == "sliced":
             self.pipe.disable_attention_slicing()
         elif self.current == "xformers":
@@ -483,21 +497,11 @@ def run_cell(
         cell.baseline_reserved = torch.cuda.memory_reserved(device)
     if not _attempt(cell, meter, lambda: switcher.set(backend)):  # e.g. a broken xformers install
         return cell, []
+    if backend == PLANNED and not _attempt(cell, meter, lambda: _plan_cell(cell, pipe, settings)):
+        return cell, []
 
     def call(m: MemoryMeter, steps: int) -> list[Image.Image]:
-        with torch.no_grad():  # real checkpoints load with requires_grad: no graph to keep
-            return measured_call(
-                pipe,
-                m,
-                prompt=settings.prompt,
-                negative_prompt=None,
-                height=size,
-                width=size,
-                steps=steps,
-                guidance_scale=settings.guidance_scale,
-                seed=settings.seed,
-                num_images_per_prompt=settings.batch,
-            )
+        return _generate(pipe, m, settings, size, steps)
 
     images: list[Image.Image] = []
     if settings.warmup:
@@ -512,6 +516,59 @@ def run_cell(
     cell.seconds = time.perf_counter() - start
     cell.phases = meter.phases
     return cell, images
+
+
+def _generate(pipe: Any, meter: MemoryMeter, settings: CompareSettings, size: int, steps: int) -> list[Image.Image]:
+    """One measured generation of a cell: the settings' prompt and seed at ``size``×``size``."""
+    with torch.no_grad():  # real checkpoints load with requires_grad: no graph to keep
+        return measured_call(
+            pipe,
+            meter,
+            prompt=settings.prompt,
+            negative_prompt=None,
+            height=size,
+            width=size,
+            steps=steps,
+            guidance_scale=settings.guidance_scale,
+            seed=settings.seed,
+            num_images_per_prompt=settings.batch,
+        )
+
+
+def _plan_cell(cell: Cell, pipe: Any, settings: CompareSettings) -> None:
+    """Plan and apply the --vram-budget levers for the cell's size. Best effort: a plan that
+    cannot fit still runs, and its miss (or out of memory) is the cell's result."""
+    budget = settings.vram_budget
+    if budget == "auto" and settings.vram_cap_gib:  # the emulated GPU's memory, not the real one's
+        budget = str(settings.vram_cap_gib)
+    cfg = settings.guidance_scale > 1
+    plan = fit(pipe, budget, height=cell.size, width=cell.size, batch=settings.batch, cfg=cfg, best_effort=True)
+    cell.plan = plan.to_dict()
+
+
+def _lever_effects(pipe: Any, switcher: BackendSwitcher, settings: CompareSettings, cell: Cell, planned: list) -> None:
+    """Each lever's effect on the image: PSNR of the planned images, and of each lever of the plan
+    on its own, against sdpatch auto without a plan at the same seed; kept in ``cell.plan``."""
+    assert cell.plan is not None
+    device = pipe._execution_device
+
+    def images() -> list[Image.Image]:
+        release_memory(device)
+        return _generate(pipe, MemoryMeter(device), settings, cell.size, settings.steps)
+
+    switcher.set("auto")
+    try:
+        unplanned = images()
+        cell.plan["psnr_db_vs_unplanned"] = _json_float(image_difference(planned, unplanned)[1])
+        for step in cell.plan["levers"]:
+            apply_plan(pipe, single_lever(cell.plan["settings"], step["lever"]))
+            step["psnr_db"] = _json_float(image_difference(images(), unplanned)[1])
+            remove_plan(pipe)
+    except Exception as err:  # noqa: BLE001 (e.g. a lever alone runs out of memory: the cell stands)
+        cell.plan["lever_effects_error"] = first_line(err)
+    finally:
+        switcher.restore()
+        release_memory(device)
 
 
 def _attempt(cell: Cell, meter: MemoryMeter, fn: Callable[[], Any]) -> bool:
@@ -780,6 +837,7 @@ class CompareReport:
                 found = f"{m.size}²" if m.size else ("none" if m.done else "not finished")
                 probes = ", ".join(f"{p.size} {'ok' if p.status == 'ok' else p.failure}" for p in m.probes) or "–"
                 lines.append(f"| {backend} | {found} | {probes} |")
+        lines += self._plans_section()
         check = self.baseline_check()
         lines += ["", "## Baseline check", "", check["message"]]
         failures = [c for c in self.all_cells if c.status == "error"]
@@ -802,6 +860,36 @@ class CompareReport:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
         return "\n".join(lines) + "\n"
 
+    def _plans_section(self) -> list[str]:
+        """The planned column's plans: budget, estimated and measured peak, the levers and why, and
+        each lever's PSNR on its own against sdpatch auto without a plan (same seed)."""
+        planned = [c for c in self.cells if c.plan is not None]
+        if not planned:
+            return []
+        lines = [
+            "",
+            f"## --vram-budget plans ({self.settings.vram_budget})",
+            "",
+            "Per size: the plan for the `planned` column, its estimate against the measured peak, and the "
+            "PSNR of each lever alone against sdpatch auto without a plan at the same seed (exact levers "
+            "should stay at 40 dB or more; tiled decode is approximate).",
+        ]
+        for cell in planned:
+            measured = cell.peak_reserved if self.memory_kind == "cuda" else cell.peak
+            lines += ["", f"**{cell.size}²** ({cell.failure or 'completed'})", ""]
+            lines += [f"- {line}" for line in plan_lines(cell.plan, measured if cell.status == "ok" else None)]
+            if "psnr_db_vs_unplanned" in cell.plan:
+                psnr = _format_psnr(_psnr_value(cell.plan["psnr_db_vs_unplanned"]))
+                lines.append(f"- the whole plan: PSNR {psnr} against unplanned auto")
+            for step in cell.plan["levers"]:
+                if "psnr_db" in step:
+                    kind = "exact" if step["exact"] else "approximate"
+                    psnr = _format_psnr(_psnr_value(step["psnr_db"]))
+                    lines.append(f"- {step['setting']} alone ({kind}): PSNR {psnr}")
+            if "lever_effects_error" in cell.plan:
+                lines.append(f"- lever effects not measured: {cell.plan['lever_effects_error']}")
+        return lines
+
     def _main_cell(self, cell: Cell) -> str:
         if cell.status != "ok":
             return f"**{cell.failure}**"
@@ -811,6 +899,8 @@ class CompareReport:
             diff = "no reference"
         else:
             diff = f"PSNR {_format_psnr(cell.psnr_db)}"
+        if cell.plan is not None and cell.plan["approximate"]:
+            diff += " (tiled decode)"
         return f"{_gib(cell.peak)} · {_per_step(cell.seconds_per_step)} · {diff}"
 
 
@@ -845,7 +935,7 @@ def compare(
     backends, left_out = resolve_backends(settings.backends, device)
     sizes = list(settings.sizes or [default_size(pipe) * k for k in (1, 2, 4)])
     reference = "stock" if "stock" in backends else backends[0]
-    order = [reference, *(b for b in backends if b != reference)]
+    order = [reference, *(b for b in backends if b != reference), *([PLANNED] if settings.vram_budget else [])]
     cap = vram_cap_bytes(settings.vram_cap_gib, device)
     meter = MemoryMeter(device)
     with meter.phase("probe"):  # an empty phase tells whether host peaks can be reset per phase
@@ -896,6 +986,8 @@ def compare(
                 if ref_images is not None and cell.status == "ok":
                     cell.reference = reference
                     cell.max_abs_diff, cell.psnr_db = image_difference(images, ref_images)
+                if backend == PLANNED and cell.status == "ok":
+                    _lever_effects(pipe, switcher, settings, cell, images)
                 _save_images(report, cell, images)
                 del images
                 report.cells.append(cell)
@@ -1232,6 +1324,11 @@ def _format_psnr(psnr: float | None, *, ascii_only: bool = False) -> str:
 def _json_float(x: float | None) -> float | str | None:
     """JSON has no infinity: an identical image's PSNR is the string ``"inf"``."""
     return "inf" if x is not None and math.isinf(x) else x
+
+
+def _psnr_value(x: float | str | None) -> float | None:
+    """The PSNR :func:`_json_float` wrote."""
+    return math.inf if x == "inf" else x
 
 
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:

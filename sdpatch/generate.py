@@ -7,7 +7,9 @@ Layers, from the bottom:
   :class:`~sdpatch.memory.MemoryMeter`. ``sdpatch compare`` reuses it per cell.
 - :func:`generate`: a :class:`GenerationRequest` on a loaded pipeline, one image at a time, each
   PNG written atomically with its record in its metadata as soon as it is done.
-- :func:`run`: the whole command: check every input, load and patch the model, generate.
+- :func:`run`: the whole command: check every input (:func:`check_setup`, :func:`plan_outputs`),
+  load and patch the model (:meth:`Setup.load`), generate. :mod:`sdpatch.multi` runs a prompts
+  file, in one process or several, from the same pieces.
 """
 
 from __future__ import annotations
@@ -31,8 +33,16 @@ from PIL.PngImagePlugin import PngInfo
 
 from sdpatch.attention import BACKENDS, BackendUnavailableError, backend_status
 from sdpatch.errors import InputError
-from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, summarize, total, weights_bytes
-from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
+from sdpatch.memory import PHASE_LABELS, MemoryMeter, PhaseStats, format_bytes, summarize, total, weights_bytes
+from sdpatch.models import (
+    ModelSource,
+    default_size,
+    load_pipeline,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+from sdpatch.planner import fit, parse_budget, plan_lines
 
 logger = logging.getLogger(__name__)
 _UMASK = os.umask(0o022)
@@ -44,7 +54,6 @@ GENERATE_BACKENDS = ("stock", *BACKENDS)
 MAX_SIDE = 16384
 MAX_IMAGES = 10_000
 MAX_SEED = 2**64 - 1  # the largest seed a torch.Generator takes
-PHASE_LABELS = {"text_encoding": "text encoding", "denoising": "denoising", "vae_decode": "VAE decode"}
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class GenerationReport:
     host_scope: str | None
     weights: dict[str, int]
     patch: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None  # the --vram-budget plan (sdpatch.planner.Plan.to_dict)
     notes: list[str] = field(default_factory=list)
     images: list[ImageRecord] = field(default_factory=list)
     complete: bool = False
@@ -154,6 +164,7 @@ class GenerationReport:
             "images": [r.to_dict() for r in self.images],
             "notes": self.notes,
             "patch": self.patch,
+            "plan": self.plan,
             "environment": versions(),
         }
 
@@ -202,6 +213,9 @@ class GenerationReport:
         if not cuda:
             scope = "each phase's own peak" if self.host_scope == "phase" else "the process's peak since it started"
             lines.append(f"host memory: resident memory of the whole process, {scope} (not GPU memory)")
+        if self.plan:
+            peak = total(phases)
+            lines.extend(plan_lines(self.plan, peak.peak_reserved if cuda else peak.peak_host))
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -291,6 +305,7 @@ def generate(
     notes: list[str] | None = None,
     progress: bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
+    plan: dict[str, Any] | None = None,
 ) -> GenerationResult:
     """Generate ``request`` on a loaded (and maybe patched) pipeline, one image at a time.
 
@@ -307,6 +322,7 @@ def generate(
         notes: lines to carry in the report (e.g. a dtype substitution).
         progress: show diffusers' progress bar for the denoising loop (the only bar).
         on_image: called with each image's record once it is written.
+        plan: the memory plan applied to ``pipe`` (:meth:`sdpatch.planner.Plan.to_dict`), for the report.
     """
     request.validate()
     timesteps = pipe.scheduler.config.num_train_timesteps
@@ -331,6 +347,7 @@ def generate(
         memory_kind=meter.kind,
         host_scope=None,
         weights=weights_bytes(pipe.components),
+        plan=plan,
         notes=list(notes or []),
     )
     images: list[Image.Image] = []
@@ -380,13 +397,79 @@ def run(
     allow_pickle: bool = False,
     progress: bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
+    vram_budget: float | str | None = None,
+    best_effort: bool = False,
 ) -> GenerationResult:
     """What ``sdpatch generate`` does: check every input, then load, patch and generate.
 
     Everything that can be checked without loading weights is checked first and raises
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
+    ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
+    before generating; a budget that cannot be met raises InputError then, unless ``best_effort``.
     """
     request.validate()
+    if vram_budget is not None:
+        parse_budget(vram_budget)
+    elif best_effort:
+        raise InputError("--best-effort is only used with --vram-budget")
+    setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle)
+    outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
+    if report_json is not None:
+        check_output_file(report_json, overwrite=overwrite, what="--report-json")
+        if report_json.resolve() in {p.resolve() for p in outputs}:
+            raise InputError("--report-json must not be one of the image paths")
+
+    pipe = setup.load()
+    plan = None
+    if vram_budget is not None:
+        size = default_size(pipe)
+        plan = fit(
+            pipe,
+            vram_budget,
+            height=request.height or size,
+            width=request.width or size,
+            cfg=request.guidance_scale > 1,  # diffusers' rule for classifier-free guidance
+            best_effort=best_effort,
+        ).to_dict()
+    try:
+        return generate(
+            pipe,
+            request,
+            model=model,
+            backend=backend,
+            outputs=outputs,
+            report_json=report_json,
+            notes=setup.notes,
+            progress=progress,
+            on_image=on_image,
+            plan=plan,
+        )
+    except BackendUnavailableError as err:  # e.g. --backend triton, whose kernel failed to compile mid-run
+        raise InputError(str(err)) from err
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run loads and where, checked by :func:`check_setup` without loading anything."""
+
+    source: ModelSource
+    backend: str
+    device: torch.device
+    dtype: torch.dtype
+    notes: list[str]
+
+    def load(self) -> Any:
+        """Load the pipeline on its device and patch it with the backend."""
+        if self.device.type == "cuda":
+            # Triton launches on the current device, whatever device the tensors are on.
+            torch.cuda.set_device(self.device)
+        pipe = load_pipeline(self.source, device=self.device, dtype=self.dtype)
+        apply_backend(pipe, self.backend)
+        return pipe
+
+
+def check_setup(*, model: str, backend: str, device: str, dtype: str, allow_pickle: bool) -> Setup:
+    """Check the model, backend, device and dtype a run names; raise InputError for a bad one."""
     if backend not in GENERATE_BACKENDS:
         raise InputError(f"unknown backend {backend!r}: use one of {', '.join(GENERATE_BACKENDS)}")
     torch_device = resolve_device(device)
@@ -396,28 +479,7 @@ def run(
         if not ok:
             raise InputError(f"backend {backend!r} cannot run on {torch_device}: {why}")
     source = resolve_model(model, allow_pickle=allow_pickle)
-    outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
-    if report_json is not None:
-        check_output_file(report_json, overwrite=overwrite, what="--report-json")
-        if report_json.resolve() in {p.resolve() for p in outputs}:
-            raise InputError("--report-json must not be one of the image paths")
-
-    pipe = load_pipeline(source, device=torch_device, dtype=torch_dtype)
-    apply_backend(pipe, backend)
-    try:
-        return generate(
-            pipe,
-            request,
-            model=model,
-            backend=backend,
-            outputs=outputs,
-            report_json=report_json,
-            notes=[dtype_note] if dtype_note else None,
-            progress=progress,
-            on_image=on_image,
-        )
-    except BackendUnavailableError as err:  # e.g. --backend triton, whose kernel failed to compile mid-run
-        raise InputError(str(err)) from err
+    return Setup(source, backend, torch_device, torch_dtype, [dtype_note] if dtype_note else [])
 
 
 def apply_backend(pipe: Any, backend: str) -> None:
@@ -443,13 +505,15 @@ def apply_backend(pipe: Any, backend: str) -> None:
     patch_unet(pipe.vae, backend="auto")
 
 
-def plan_outputs(output: Path | None, seeds: list[int], *, overwrite: bool) -> list[Path]:
+def plan_outputs(
+    output: Path | None, seeds: list[int], *, overwrite: bool, prefix: str = "sdpatch-"
+) -> list[Path]:
     """The PNG path of each image, checked before anything runs.
 
     ``output`` is a ``.png`` file (one image only) or a folder (existing, or one new folder in an
-    existing one), where image files are named ``sdpatch-<seed>.png``; None is the current
+    existing one), where image files are named ``<prefix><seed>.png``; None is the current
     folder. Raises InputError for a path in a missing folder, an existing file without
-    ``overwrite``, or a file path for several images.
+    ``overwrite``, a folder where an image goes, or a file path for several images.
     """
     output = Path(".") if output is None else output
     if output.suffix.lower() == ".png" and not output.is_dir():
@@ -462,8 +526,10 @@ def plan_outputs(output: Path | None, seeds: list[int], *, overwrite: bool) -> l
     if output.exists() and not output.is_dir():
         raise InputError(f"--output {output} exists and is not a folder")
     check_folder(output.parent if not output.exists() else output, "--output")
-    paths = [output / f"sdpatch-{seed}.png" for seed in seeds]
+    paths = [output / f"{prefix}{seed}.png" for seed in seeds]
     for path in paths:
+        if path.is_dir():  # --overwrite cannot replace it: the write would fail after the image is made
+            raise InputError(f"{path} is a folder, not a file")
         if path.exists() and not overwrite:
             raise InputError(f"{path} already exists (pass --overwrite to replace it)")
     return paths

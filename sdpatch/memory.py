@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 
 MIB = 1024**2
+# The phases of a generation as reports name them.
+PHASE_LABELS = {"text_encoding": "text encoding", "denoising": "denoising", "vae_decode": "VAE decode"}
 
 
 @dataclass

@@ -409,8 +409,31 @@ def in_tmp(*args: str):
     return lambda d: [a.replace("{d}", str(d)) for a in args]
 
 
-def bad(id: str, args, message: str, prompt: str = "a cat", marks=()):
+def folder_at(name: str, *args: str):
+    def setup(d: Path) -> list[str]:
+        (d / name).mkdir()
+        return [a.replace("{d}", str(d)) for a in args]
+
+    return setup
+
+
+def prompts_file(content: bytes, *args: str, then=None):
+    """A setup that writes prompts.txt and passes it as --prompts-file; ``then``: another setup."""
+
+    def setup(d: Path) -> list[str]:
+        (d / "prompts.txt").write_bytes(content)
+        return ["--prompts-file", str(d / "prompts.txt"), *args, *(then(d) if then else [])]
+
+    return setup
+
+
+def bad(id: str, args, message: str, prompt: str | None = "a cat", marks=()):
+    """A row; ``prompt`` None passes no PROMPT argument."""
     return pytest.param(prompt, args, message, id=id, marks=marks)
+
+
+def no_prompt(id: str, args, message: str):
+    return bad(id, args, message, prompt=None)
 
 
 HOSTILE = [
@@ -437,14 +460,42 @@ HOSTILE = [
     bad("seed-negative", ["--seed", "-1"], "--seed must be between 0 and"),
     bad("seed-past-2**64", ["--seed", str(2**64)], "--seed must be between 0 and"),
     bad("seed-plus-images-past-2**64", in_tmp("--seed", str(2**64 - 1), "--num-images", "2", "-o", "{d}"), "--seed"),
-    # text (there is no --prompts-file yet: undecodable bytes reach sdpatch through argv)
+    # text (undecodable bytes reach sdpatch through argv, or in a prompts file)
     bad("prompt-not-utf8", [], "the prompt is not valid UTF-8 text", prompt=NOT_UTF8),
     bad("negative-prompt-not-utf8", ["-n", NOT_UTF8], "--negative-prompt is not valid UTF-8 text"),
+    no_prompt("prompts-file-not-utf8", prompts_file(b"a cat\n\xff\xfe a dog\n"), "is not UTF-8 text (line 2)"),
+    # prompt files
+    no_prompt("neither-prompt-nor-prompts-file", [], "give a PROMPT or --prompts-file FILE"),
+    bad("prompt-and-prompts-file", prompts_file(b"a dog\n"), "give a PROMPT or --prompts-file FILE, not both"),
+    no_prompt("prompts-file-missing", in_tmp("--prompts-file", "{d}/missing.txt"), "does not exist"),
+    no_prompt("prompts-file-is-a-folder", in_tmp("--prompts-file", "{d}"), "is a folder, not a file"),
+    no_prompt("prompts-file-empty", prompts_file(b""), "has no prompts"),
+    no_prompt("prompts-file-only-comments", prompts_file(b"# one\n\n   \n  # two\n"), "has no prompts"),
+    no_prompt("prompts-file-seeds-past-2**64", prompts_file(b"a\nb\n", "--seed", str(2**64 - 1)), "--seed must be at"),
+    no_prompt("prompts-file-output-is-a-png", prompts_file(b"a\n", then=in_tmp("-o", "{d}/a.png")), "give a folder"),
+    no_prompt("prompts-file-image-exists", prompts_file(b"a\n", then=existing("p0000-s0.png")), "already exists"),
+    no_prompt(
+        "prompts-file-image-is-a-folder",
+        prompts_file(b"a\n", "--overwrite", then=folder_at("p0000-s0.png")),
+        "p0000-s0.png is a folder, not a file",
+    ),
+    no_prompt("prompts-file-report-exists", prompts_file(b"a\n", then=existing("sdpatch-report.json")), "exists"),
+    no_prompt(
+        "prompts-file-partial-report-exists",
+        prompts_file(b"a\n", then=existing("sdpatch-report.rank1.json")),
+        "sdpatch-report.rank1.json already exists",
+    ),
+    no_prompt(  # found once the model is loaded; the partial report already written is removed
+        "prompts-file-steps-beyond-the-scheduler",
+        prompts_file(b"a\n", "--steps", "5000"),
+        "--steps must be at most 1000 for tiny",
+    ),
     # where output goes
     bad("output-in-missing-folder", in_tmp("-o", "{d}/missing/a.png"), "does not exist"),
     bad("output-folder-in-missing-folder", in_tmp("-o", "{d}/missing/new"), "does not exist"),
     bad("output-exists", existing("taken.png", "-o", "{d}/taken.png"), "already exists (pass --overwrite"),
     bad("output-image-in-folder-exists", existing("sdpatch-0.png", "-o", "{d}"), "already exists (pass --overwrite"),
+    bad("output-image-is-a-folder", folder_at("sdpatch-0.png", "-o", "{d}", "--overwrite"), "is a folder, not a file"),
     bad("output-is-a-file-not-a-folder", existing("notes", "-o", "{d}/notes"), "exists and is not a folder"),
     bad("output-not-png", in_tmp("-o", "{d}/a.jpg"), ".png"),
     bad("two-images-one-file", in_tmp("-o", "{d}/a.png", "--num-images", "2"), "give a folder"),
@@ -499,7 +550,7 @@ def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     extra = args(tmp_path) if callable(args) else args
     before = snapshot(tmp_path)
-    result = invoke("generate", prompt, *FAST, *extra)
+    result = invoke("generate", *([prompt] if prompt is not None else []), *FAST, *extra)
     assert result.exit_code == 2, (result.output, result.exception)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("sdpatch: error: "), result.stderr
@@ -509,7 +560,14 @@ def test_hostile_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypat
 
 
 # Rows that get past click and fail in the library, where a traceback could escape.
-SCRIPT_ROWS = ("prompt-not-utf8", "steps-beyond-the-scheduler", "seed-past-2**64", "safetensors-truncated")
+SCRIPT_ROWS = (
+    "prompt-not-utf8",
+    "steps-beyond-the-scheduler",
+    "seed-past-2**64",
+    "safetensors-truncated",
+    "prompts-file-not-utf8",
+    "prompts-file-steps-beyond-the-scheduler",
+)
 
 
 @pytest.mark.parametrize("prompt, args, message", [row for row in HOSTILE if row.id in SCRIPT_ROWS])
@@ -518,7 +576,7 @@ def test_hostile_input_through_the_console_script(tmp_path, prompt, args, messag
     before = snapshot(tmp_path)
     # A str prompt with surrogates goes out as the undecodable bytes it came from (os.fsencode).
     result = subprocess.run(
-        [console_script(), "generate", prompt, *FAST, *extra],
+        [console_script(), "generate", *([prompt] if prompt is not None else []), *FAST, *extra],
         cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,

@@ -1,0 +1,605 @@
+"""The ``--vram-budget`` planner, on the CPU.
+
+- The estimator against ground truth: a liveness trace of diffusers' real forward passes (on the
+  meta device for the full-size presets, on tiny with sdpatch's chunked attention), with the
+  levers' real wrappers in place; and against the H200 measurements it was calibrated on.
+- The planning logic on tiny: lever order, budgets that need 0, 1 or several levers, an
+  impossible budget, ``auto``, monotonicity.
+- The levers' exactness (split CFG, feed-forward chunking, attention chunks: PSNR >= 40 dB in fp32)
+  and the plan in generate's and compare's reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from typer.testing import CliRunner
+
+import sdpatch.planner as planner
+from sdpatch.cli import app
+from sdpatch.compare import image_difference
+from sdpatch.generate import GenerationRequest, apply_backend, run
+from sdpatch.memory import MIB, MemoryMeter, module_bytes
+from sdpatch.models import build_preset
+from sdpatch.planner import (
+    GIB,
+    LEVER_ORDER,
+    DeviceState,
+    Levers,
+    PlannerError,
+    RunShape,
+    apply_plan,
+    decode_peak,
+    estimate,
+    model_spec,
+    parse_budget,
+    plan_for,
+    remove_plan,
+    unet_peak,
+)
+
+FAST = ["--height", "64", "--width", "64", "--steps", "2", "--device", "cpu"]
+CUDA = DeviceState(cuda=True)  # estimates as on a GPU: cuDNN workspace, reserved memory
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(autouse=True)
+def allocator_env(monkeypatch):
+    """``--vram-budget`` asks for expandable segments in the environment: keep that to the test."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+# -- ground truth: what an allocator sees during diffusers' real forward passes -----------------
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create, each freed when its last reference goes;
+    storages that exist before (weights, inputs) are not counted. ``conv_workspace`` adds, while
+    a convolution runs, that factor times its input plus output bytes (the CUDA model)."""
+
+    def __init__(self, *existing: torch.Tensor, conv_workspace: float = 0.0) -> None:
+        super().__init__()
+        self.keep = [t.untyped_storage() for t in existing]  # alive, so their ids stay theirs
+        self.ignore = {id(s) for s in self.keep}
+        self.seen: set[int] = set()
+        self.now = self.peak = 0
+        self.conv_workspace = conv_workspace
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.now -= nbytes
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.seen and key not in self.ignore:
+                    self.seen.add(key)
+                    self.now += storage.nbytes()
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        extra = 0
+        if func is torch.ops.aten.convolution.default:
+            extra = self.conv_workspace * (args[0].nbytes + out.nbytes)
+        self.peak = max(self.peak, self.now + extra)
+        return out
+
+
+@contextmanager
+def flash_style_sdpa():
+    """PyTorch's SDPA as its CUDA (and CPU flash) kernels allocate: only the output, (B, N, H, D)
+    in memory and returned as a (B, H, N, D) view. On meta, SDPA would materialize the scores."""
+
+    def sdpa(q, k, v, *args, **kwargs):
+        b, h, n, _ = q.shape
+        return q.new_empty((b, n, h, v.shape[-1])).transpose(1, 2)
+
+    real = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def traced_unet(pipe, shape: RunShape, batch: int, conv_workspace: float = 0.0) -> int:
+    unet = pipe.unet
+    device, dtype = unet.device, unet.dtype
+    lat = (shape.height // 8, shape.width // 8)
+    x = torch.randn(batch, 4, *lat, device=device, dtype=dtype)
+    ctx = torch.randn(batch, 77, unet.config.cross_attention_dim, device=device, dtype=dtype)
+    kwargs = {}
+    if unet.config.addition_embed_type == "text_time":  # SDXL
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(batch, 1280, device=device, dtype=dtype),
+            "time_ids": torch.randn(batch, 6, device=device, dtype=dtype),
+        }
+    inputs = [x, ctx, *kwargs.get("added_cond_kwargs", {}).values()]
+    weights = [*unet.parameters(), *unet.buffers()]
+    live = LiveBytes(*weights, *inputs, conv_workspace=conv_workspace)
+    with torch.no_grad(), flash_style_sdpa(), live:
+        unet(x, torch.tensor(999.0, device=device), encoder_hidden_states=ctx, return_dict=False, **kwargs)
+    return live.peak
+
+
+def traced_decode(pipe, shape: RunShape, conv_workspace: float = 0.0) -> int:
+    vae = pipe.vae
+    z = torch.randn(shape.batch, 4, shape.height // 8, shape.width // 8, device=vae.device, dtype=vae.dtype)
+    live = LiveBytes(*vae.parameters(), *vae.buffers(), z, conv_workspace=conv_workspace)
+    with torch.no_grad(), flash_style_sdpa(), live:
+        vae.decode(z)
+    return live.peak
+
+
+@pytest.fixture(scope="module")
+def meta_pipes():
+    """The full-size presets in fp16 on the meta device (no memory), built once."""
+    return {name: build_preset(name, device="meta", dtype=torch.float16) for name in ("sd15", "sd21", "sdxl")}
+
+
+@pytest.fixture
+def tiny():
+    """tiny on the CPU in fp32, patched with sdpatch auto (chunked attention here)."""
+    pipe = build_preset("tiny")
+    apply_backend(pipe, "auto")
+    return pipe
+
+
+LIVENESS_CASES = [
+    pytest.param("sd15", 512, 512, 2, 1, id="sd15-512-b2"),
+    pytest.param("sd15", 1024, 1024, 2, 4, id="sd15-1024-b2-ff4"),
+    pytest.param("sd15", 520, 776, 1, 1, id="sd15-520x776-b1"),  # odd latents: ceil'd downsampling
+    pytest.param("sd15", 1024, 1024, 1, 16, id="sd15-1024-b1-ff16"),
+    pytest.param("sd21", 768, 768, 2, 1, id="sd21-768-b2"),  # linear projections
+    pytest.param("sdxl", 1024, 1024, 2, 1, id="sdxl-1024-b2"),
+    pytest.param("sdxl", 1024, 1024, 2, 8, id="sdxl-1024-b2-ff8"),
+]
+
+
+@pytest.mark.parametrize("name, height, width, batch, ff_chunks", LIVENESS_CASES)
+@pytest.mark.parametrize("conv_workspace", [0.0, 1.0], ids=["host", "cuda"])
+def test_unet_model_replays_diffusers_liveness(meta_pipes, name, height, width, batch, ff_chunks, conv_workspace):
+    pipe = meta_pipes[name]
+    spec = model_spec(pipe)
+    spec = replace(spec, attention={"unet": planner.AttentionCost(), "vae": planner.AttentionCost()})
+    shape = RunShape(height, width)
+    apply_plan(pipe, Levers(ff_chunks=ff_chunks))  # the real chunked feed-forward
+    try:
+        traced = traced_unet(pipe, shape, batch, conv_workspace)
+    finally:
+        remove_plan(pipe)
+    modelled, _ = unet_peak(spec, shape, batch=batch, ff_chunks=ff_chunks, cuda=conv_workspace > 0)
+    assert modelled == pytest.approx(traced, rel=0.005)
+
+
+@pytest.mark.parametrize("name, size", [("sd15", 512), ("sd15", 776), ("sdxl", 1024)])
+@pytest.mark.parametrize("conv_workspace", [0.0, 1.0], ids=["host", "cuda"])
+def test_decode_model_replays_diffusers_liveness(meta_pipes, name, size, conv_workspace):
+    pipe = meta_pipes[name]
+    spec = replace(model_spec(pipe), vae_upcast=False)  # the trace decodes in the VAE's own fp16
+    shape = RunShape(size, size)
+    modelled, _ = decode_peak(spec, shape, cuda=conv_workspace > 0)
+    assert modelled == pytest.approx(traced_decode(pipe, shape, conv_workspace), rel=0.005)
+
+
+def test_tiled_decode_model_replays_diffusers_liveness(meta_pipes):
+    pipe = meta_pipes["sd15"]
+    spec = model_spec(pipe)
+    shape = RunShape(1536, 1024)
+    apply_plan(pipe, Levers(vae_tile=256))
+    try:
+        traced = traced_decode(pipe, shape)
+    finally:
+        remove_plan(pipe)
+    assert decode_peak(spec, shape, tile=256)[0] == pytest.approx(traced, rel=0.02)
+
+
+def test_model_replays_chunked_attention_and_split_cfg_on_tiny(tiny):
+    """tiny with sdpatch's chunked attention (its score buffer is the peak at 256 px), in fp32 on
+    the CPU, through the real micro-batch wrapper and smaller chunk budgets."""
+    spec = model_spec(tiny)
+    shape = RunShape(256, 192)
+    for levers in (Levers(), Levers(chunk_budget=MIB), Levers(unet_micro_batch=1, ff_chunks=3)):
+        apply_plan(tiny, levers)
+        try:
+            traced = traced_unet(tiny, shape, batch=2)
+        finally:
+            remove_plan(tiny)
+        costs = planner._attention_costs(spec, levers)
+        batch = levers.unet_micro_batch or 2
+        modelled, _ = unet_peak(replace(spec, attention=costs), shape, batch=batch, ff_chunks=levers.ff_chunks)
+        # Split CFG: the first half's output (4 latent channels) waits for the second half.
+        assert modelled == pytest.approx(traced, rel=0.02), levers
+
+
+# -- the H200 measurements the estimator was calibrated on ----------------------------------------
+
+# Peak over the weights, fp16, H200 (DESIGN.md and docs/benchmarks.md, 2026-11-30). The estimator
+# reproduces all eight within 2 %; the test allows 5 %.
+H200_COMPONENT_PEAKS = [
+    pytest.param("sd15", "denoising", 512, 131 * MIB, id="sd15-unet-512"),
+    pytest.param("sd15", "denoising", 1024, 520 * MIB, id="sd15-unet-1024"),
+    pytest.param("sd15", "denoising", 2048, 2080 * MIB, id="sd15-unet-2048"),
+    pytest.param("sdxl", "denoising", 1024, 325 * MIB, id="sdxl-unet-1024"),
+    pytest.param("sdxl", "denoising", 2048, 1286 * MIB, id="sdxl-unet-2048"),
+    pytest.param("sd15", "vae_decode", 512, 610 * MIB, id="sd15-vae-512"),
+    pytest.param("sd15", "vae_decode", 1024, 2.4 * GIB, id="sd15-vae-1024"),
+    pytest.param("sd15", "vae_decode", 2048, 9.5 * GIB, id="sd15-vae-2048"),
+]
+
+
+def flash_spec(pipe) -> planner.ModelSpec:
+    """A preset as stock diffusers runs it on a GPU: PyTorch SDPA, flash-style everywhere."""
+    return replace(model_spec(pipe), attention={"unet": planner.AttentionCost(), "vae": planner.AttentionCost()})
+
+
+@pytest.mark.parametrize("name, phase, size, measured", H200_COMPONENT_PEAKS)
+def test_estimates_reproduce_the_h200_component_peaks(meta_pipes, name, phase, size, measured):
+    spec = flash_spec(meta_pipes[name])
+    if phase == "vae_decode":  # measured on the VAE alone, in fp16 (SDXL's pipeline would upcast)
+        spec = replace(spec, vae_upcast=False)
+    # UNet figures: one call at batch 2 (one image with guidance), like the pipeline's.
+    activations = estimate(spec, RunShape(size, size), Levers(), CUDA).phase(phase).activations
+    assert activations == pytest.approx(measured, rel=0.05)
+
+
+def safety_checker_bytes() -> int:
+    """fp16 weights of diffusers' StableDiffusionSafetyChecker (CLIP ViT-L/14 vision tower)."""
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig
+
+    vision = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16}
+    config = CLIPConfig(vision_config={**vision, "patch_size": 14, "image_size": 224}, projection_dim=768)
+    with torch.device("meta"):
+        return module_bytes(StableDiffusionSafetyChecker(config).half())
+
+
+# DESIGN.md's end-to-end SD1.5 runs, stock diffusers with SDPA, 3 steps: peak allocated GiB. They
+# sit 0.45-0.55 GiB above the weights plus the component peaks above at every size: a stock
+# SD 1.5 pipeline carries a safety checker (0.57 GiB in fp16) that the sd15 preset leaves out.
+# With it counted as weights, the estimates are within 2 %.
+H200_END_TO_END = [
+    pytest.param(512, None, 3.1, 3.7, id="512"),
+    pytest.param(1024, None, 4.9, 6.9, id="1024"),
+    pytest.param(2048, None, 12.0, 19.9, id="2048"),
+    pytest.param(2048, 512, 4.6, 4.9, id="2048-tiled"),
+]
+
+
+@pytest.mark.parametrize("size, tile, allocated, reserved", H200_END_TO_END)
+def test_estimates_reproduce_the_h200_end_to_end_peaks(meta_pipes, size, tile, allocated, reserved):
+    spec = flash_spec(meta_pipes["sd15"])
+    spec = replace(spec, weights={**spec.weights, "safety_checker": safety_checker_bytes()})
+    spec = replace(spec, resident=spec.resident | {"safety_checker"})
+    est = estimate(spec, RunShape(size, size), Levers(vae_tile=tile), CUDA)
+    assert max(p.allocated for p in est.phases) / GIB == pytest.approx(allocated, rel=0.05)
+    if tile is None:
+        # Reserved without expandable segments: 1.9x the activations, fitted on these three. The
+        # tiled run reserved only 1.13x (its peak is the UNet's): the estimate is 30 % high there.
+        assert est.peak / GIB == pytest.approx(reserved, rel=0.05)
+    else:
+        assert reserved < est.peak / GIB < 1.4 * reserved
+
+
+def test_the_plans_claim_the_issues_targets(meta_pipes):
+    """By the estimate (a GPU must confirm): SD1.5 at 2048 px within 3.0 GiB reserved and SDXL
+    within 8.0 GiB, all weights on the GPU."""
+    for name, gib in (("sd15", 3.0), ("sdxl", 8.0)):
+        chosen = plan_for(flash_spec(meta_pipes[name]), RunShape(2048, 2048), int(gib * GIB), CUDA)
+        assert chosen.fits, chosen.failure()
+        assert not chosen.levers.cpu_offload
+        assert chosen.steps[0].lever == "allocator"
+        assert chosen.levers.vae_tile is not None
+
+
+# -- planning on tiny -------------------------------------------------------------------------------
+
+
+def tiny_plan(tiny, mib: float, shape: RunShape = RunShape(512, 512)) -> planner.Plan:
+    """A plan as if nothing but tiny's weights were in memory (the test process's own resident
+    memory would swamp tiny's few MiB of activations)."""
+    return plan_for(model_spec(tiny), shape, int(mib * MIB), DeviceState())
+
+
+def lever_names(chosen: planner.Plan) -> list[str]:
+    return [s.lever for s in chosen.steps]
+
+
+def test_a_budget_that_fits_takes_no_lever(tiny):
+    unplanned = estimate(model_spec(tiny), RunShape(512, 512)).peak
+    chosen = tiny_plan(tiny, unplanned / MIB)
+    assert chosen.fits and chosen.steps == () and chosen.levers == Levers()
+    assert chosen.estimate == chosen.unplanned
+
+
+def test_one_lever_when_one_is_enough(tiny):
+    # tiny at 512 px: 7 MiB of weights; the chunked attention's 128 MiB score buffer is the peak,
+    # the decode needs 80 MiB.
+    chosen = tiny_plan(tiny, 100)
+    assert lever_names(chosen) == ["attention"]
+    assert chosen.fits and chosen.levers.chunk_budget == 64 * MIB  # the mildest setting that fits
+    assert chosen.steps[0].reason.startswith("lowers denoising")
+
+
+def test_levers_are_taken_cheapest_first_and_relaxed(tiny):
+    chosen = tiny_plan(tiny, 20)
+    assert lever_names(chosen) == ["attention", "ff_chunking", "split_cfg", "vae_tiling"]
+    assert chosen.fits
+    # Each lever is needed: without any one of them the estimate is over the budget.
+    for lever in lever_names(chosen):
+        without = planner._reset(chosen.levers, lever, Levers())
+        assert estimate(model_spec(tiny), chosen.shape, without).peak > chosen.budget
+    # Relaxed: 4 MiB attention chunks and split CFG leave the feed-forward 2 chunks to do.
+    assert chosen.levers.chunk_budget == 4 * MIB and chosen.levers.ff_chunks == 2
+    # A lever that helps no phase over the budget is not taken: with 16 MiB attention chunks
+    # the UNet fits, and only the decode is over.
+    decode_only = tiny_plan(tiny, 50)
+    assert lever_names(decode_only) == ["attention", "vae_tiling"]
+
+
+def test_gpu_only_levers(meta_pipes):
+    """The allocator comes first and CPU offload last, and only on CUDA."""
+    spec = flash_spec(meta_pipes["sd15"])
+    shape = RunShape(2048, 2048)
+    chosen = plan_for(spec, shape, int(2.2 * GIB), CUDA)
+    assert lever_names(chosen)[0] == "allocator" and lever_names(chosen)[-1] == "cpu_offload"
+    assert lever_names(chosen) == sorted(lever_names(chosen), key=LEVER_ORDER.index)
+    on_host = plan_for(spec, shape, int(2.2 * GIB), DeviceState())
+    assert not {"allocator", "cpu_offload"} & set(lever_names(on_host))
+    assert not on_host.fits  # 2 GiB of weights stay resident
+
+
+def test_an_impossible_budget_fails_cleanly_with_the_estimate(tiny):
+    chosen = tiny_plan(tiny, 1)
+    assert not chosen.fits
+    message = chosen.failure()
+    assert "cannot be met" in message and "needs an estimated" in message and "--best-effort" in message
+    assert "\n" not in message
+    processors = dict(tiny.unet.attn_processors)
+    with pytest.raises(PlannerError, match="cannot be met"):
+        planner.fit(tiny, 0.001, height=64, width=64)
+    assert dict(tiny.unet.attn_processors) == processors and not hasattr(tiny, planner._APPLIED)
+
+
+def test_best_effort_applies_the_best_plan(tiny):
+    chosen = planner.fit(tiny, 0.001, height=512, width=512, best_effort=True)
+    assert not chosen.fits and chosen.steps
+    assert tiny.vae.use_tiling and type(tiny.unet.__dict__["forward"]).__name__ == "_MicroBatchedUNet"
+    remove_plan(tiny)
+    assert not tiny.vae.use_tiling and "forward" not in tiny.unet.__dict__
+
+
+def test_auto_budget_is_free_memory_plus_what_the_process_holds(tiny):
+    nbytes, label = planner.resolve_budget("auto", torch.device("cpu"))
+    assert nbytes > 0 and label.startswith("auto: ")
+    chosen = planner.plan(tiny, "auto", height=64, width=64)
+    assert chosen.fits and chosen.steps == () and chosen.memory == "host"
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "lots", ""])
+def test_bad_budgets_are_refused(text):
+    with pytest.raises(PlannerError, match="--vram-budget"):
+        parse_budget(text)
+
+
+def test_parse_budget():
+    assert parse_budget("2.5") == 2.5 and parse_budget(" AUTO ") == "auto"
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_estimates_grow_with_size_and_batch(meta_pipes, name):
+    spec = flash_spec(meta_pipes[name])
+    for device in (DeviceState(), CUDA):
+        for levers in (Levers(), Levers(ff_chunks=4, unet_micro_batch=1, vae_tile=512)):
+            peaks = [estimate(spec, RunShape(s, s + 64), levers, device).phases for s in range(256, 2049, 64)]
+            for before, after in zip(peaks, peaks[1:]):
+                assert all(a.reserved >= b.reserved for a, b in zip(after, before))
+            by_batch = [estimate(spec, RunShape(1024, 1024, batch=b), levers, device).peak for b in (1, 2, 3, 4)]
+            assert by_batch == sorted(by_batch)
+
+
+def test_no_lever_raises_the_estimate(meta_pipes, tiny):
+    cases = [(flash_spec(meta_pipes["sd15"]), CUDA, 1024), (model_spec(tiny), DeviceState(), 512)]
+    for spec, device, size in cases:
+        shape = RunShape(size, size)
+        base = estimate(spec, shape, Levers(), device)
+        for lever in LEVER_ORDER:
+            for option in planner._options(lever, spec, shape, Levers(), device):
+                est = estimate(spec, shape, option, device)
+                assert all(o.reserved <= b.reserved for o, b in zip(est.phases, base.phases)), option
+
+
+# -- the levers on a real pipeline -----------------------------------------------------------------
+
+
+def images(pipe, size: int = 128, steps: int = 2):
+    with torch.no_grad():
+        return planner_call(pipe, size, steps)
+
+
+def planner_call(pipe, size, steps):
+    from sdpatch.generate import measured_call
+
+    return measured_call(
+        pipe,
+        MemoryMeter(torch.device("cpu")),
+        prompt="a cat",
+        negative_prompt=None,
+        height=size,
+        width=size,
+        steps=steps,
+        guidance_scale=7.5,
+        seed=3,
+    )
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        pytest.param(Levers(chunk_budget=64 * 1024), id="attention-chunks"),
+        pytest.param(Levers(ff_chunks=3), id="ff-chunking"),
+        pytest.param(Levers(unet_micro_batch=1), id="split-cfg"),
+        pytest.param(Levers(chunk_budget=64 * 1024, ff_chunks=5, unet_micro_batch=1), id="all-exact"),
+    ],
+)
+def test_exact_levers_keep_the_image(tiny, levers):
+    reference = images(tiny)
+    apply_plan(tiny, levers)
+    planned = images(tiny)
+    remove_plan(tiny)
+    _, psnr = image_difference(planned, reference)
+    assert psnr >= 40
+    _, psnr = image_difference(images(tiny), reference)
+    assert psnr == float("inf")  # removed without a trace
+
+
+def test_split_cfg_and_ff_chunking_are_exact_at_the_unet(tiny):
+    """fp32 UNet outputs within 1e-5 relative error (test_patch's budget): split CFG differs from
+    the batch of 2 by about 1e-6 (the matmuls block differently), chunked feed-forwards by 0."""
+    unet = tiny.unet
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 24, 40, generator=g)  # 960 tokens: 7 chunks are uneven
+    ctx = torch.randn(2, 77, unet.config.cross_attention_dim, generator=g)
+    t = torch.tensor(500.0)
+    with torch.no_grad():
+        reference = unet(x, t, encoder_hidden_states=ctx).sample
+        for levers in (Levers(unet_micro_batch=1), Levers(ff_chunks=7)):
+            apply_plan(tiny, levers)
+            out = unet(x, t, encoder_hidden_states=ctx).sample
+            remove_plan(tiny)
+            assert ((out - reference).norm() / reference.norm()).item() <= 1e-5, levers
+
+
+def test_micro_batches_cut_every_batch_argument():
+    seen = []
+
+    def forward(sample, timestep, encoder_hidden_states, added_cond_kwargs=None, return_dict=True):
+        time_ids = added_cond_kwargs["time_ids"]
+        seen.append((sample.shape[0], timestep.shape, encoder_hidden_states.shape[0], time_ids.shape))
+        return (sample * 2,)
+
+    wrapped = planner._MicroBatchedUNet(forward, 1)
+    x = torch.arange(4.0).reshape(2, 2)
+    out = wrapped(x, torch.tensor(1.0), torch.zeros(2, 3), added_cond_kwargs={"time_ids": torch.zeros(2, 6)})
+    assert torch.equal(out[0], x * 2)
+    assert seen == [(1, torch.Size([]), 1, torch.Size([1, 6]))] * 2
+
+
+def test_tiled_decode_is_the_approximate_lever(tiny):
+    chosen = tiny_plan(tiny, 20)
+    assert [s.exact for s in chosen.steps] == [True, True, True, False]
+    assert chosen.to_dict()["approximate"]
+    lines = planner.plan_lines(chosen.to_dict(), None)
+    assert any("approximate" in line for line in lines)
+
+
+# -- the plan in the reports -------------------------------------------------------------------------
+
+
+def test_generate_reports_the_plan(tmp_path):
+    report = tmp_path / "r.json"
+    out = str(tmp_path / "a.png")
+    result = invoke("generate", "a cat", *FAST, "-o", out, "--vram-budget", "auto", "--report-json", str(report))
+    assert result.exit_code == 0, result.output
+    assert "vram budget auto:" in result.stdout and "within budget" in result.stdout
+    assert "plan: no lever needed" in result.stdout
+    data = json.loads(report.read_text())
+    plan = data["plan"]
+    assert plan["fits"] and plan["memory"] == "host" and plan["levers"] == []
+    assert [p["name"] for p in plan["estimate"]] == ["text_encoding", "denoising", "vae_decode"]
+
+
+def test_the_cli_asks_for_expandable_segments_before_cuda_starts(tmp_path):
+    assert invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--vram-budget", "auto").exit_code == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize(
+    "before, after, kept",
+    [
+        ("", "expandable_segments:True", False),
+        ("max_split_size_mb:128", "max_split_size_mb:128,expandable_segments:True", False),
+        ("expandable_segments:False", "expandable_segments:False", True),  # the user's choice stays
+    ],
+)
+def test_request_expandable_segments(monkeypatch, before, after, kept):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", before)
+    note = planner.request_expandable_segments()
+    assert (note is not None) == kept
+    assert planner.expandable_segments_on() == (not kept)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == after
+
+
+def test_a_prompts_file_takes_no_budget_yet(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    result = invoke("generate", "--prompts-file", str(prompts), *FAST, "-o", str(tmp_path), "--vram-budget", "1")
+    assert result.exit_code == 2 and "do not work with --prompts-file" in result.stderr
+
+
+def test_generate_refuses_an_impossible_budget_before_the_run(tmp_path):
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--vram-budget", "0.01")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sdpatch: error: --vram-budget 0.01 GiB cannot be met")
+    assert "needs an estimated" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_best_effort_runs_and_reports_the_miss(tmp_path):
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--vram-budget", "0.01", "--best-effort")
+    assert result.exit_code == 0, result.output
+    assert "missed the budget by" in result.stdout
+    assert (tmp_path / "a.png").exists()
+
+
+def test_best_effort_needs_a_budget(tmp_path):
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--best-effort")
+    assert result.exit_code == 2
+    assert "--best-effort is only used with --vram-budget" in result.stderr
+
+
+def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(planner, "device_state", lambda pipe, spec: DeviceState())
+    request = GenerationRequest("a cat", height=512, width=512, steps=1)
+    result = run(request, device="cpu", output=tmp_path, vram_budget=20 / 1024)
+    plan = result.report.plan
+    assert [s["lever"] for s in plan["levers"]] == ["attention", "ff_chunking", "split_cfg", "vae_tiling"]
+    assert plan["approximate"] and result.report.to_dict()["plan"] == plan
+    table = result.report.format_table()
+    assert "plan: chunked attention" in table and "tiled VAE decode" in table
+
+
+def test_compare_gains_a_planned_column_with_each_levers_psnr(monkeypatch, tmp_path):
+    monkeypatch.setattr(planner, "device_state", lambda pipe, spec: DeviceState())
+    out = tmp_path / "cmp"
+    args = ["compare", "--model", "tiny", "--device", "cpu", "--steps", "2", "--sizes", "256", "--no-warmup"]
+    budget = str(14 / 1024)  # 14 MiB, 7 of them weights: split CFG and tiled decode
+    result = invoke(*args, "--backends", "stock", "--vram-budget", budget, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "report.json").read_text())
+    assert data["backends"] == ["stock", "planned"] and data["settings"]["vram_budget"] == budget
+    cell = next(c for c in data["cells"] if c["backend"] == "planned")
+    assert cell["status"] == "ok" and cell["psnr_db"] is not None
+    plan = cell["plan"]
+    assert [s["lever"] for s in plan["levers"]] == ["split_cfg", "vae_tiling"] and plan["fits"]
+    assert "psnr_db_vs_unplanned" in plan
+    for step in plan["levers"]:
+        psnr = float(step["psnr_db"])
+        assert psnr >= 40 if step["exact"] else psnr > 0, step
+    markdown = (out / "report.md").read_text()
+    assert "## --vram-budget plans" in markdown and "alone (exact): PSNR" in markdown
+    assert ("(tiled decode)" in markdown) == plan["approximate"]
