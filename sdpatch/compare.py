@@ -1000,10 +1000,7 @@ def compare(
         switcher.restore()
         if cap is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    report.chart = write_chart(report, out_dir / "memory.png")
-    report.grid = write_grid(report, out_dir / "grid.png")
-    _write_reports(report)
-    return report
+    return _finish(report, out_dir)
 
 
 def run(
@@ -1036,6 +1033,14 @@ def run(
     return compare(pipe, settings, out_dir, model=model, notes=notes, on_cell=on_cell)
 
 
+def _finish(report: CompareReport, out_dir: Path) -> CompareReport:
+    """Draw the chart and the grid, then write report.json and report.md with their paths."""
+    report.chart = write_chart(report, out_dir / "memory.png")
+    report.grid = write_grid(report, out_dir / "grid.png")
+    _write_reports(report)
+    return report
+
+
 def redraw(out_dir: Path) -> CompareReport:
     """Write report.md, the chart and the grid again from ``out_dir``'s report.json and images,
     e.g. where the run had no matplotlib: ``python -m sdpatch.compare DIR``."""
@@ -1047,10 +1052,7 @@ def redraw(out_dir: Path) -> CompareReport:
     if data.get("sdpatch_compare") != 1:
         raise InputError(f"{path} is not a report of sdpatch compare")
     report = CompareReport.from_dict(data, out_dir)
-    report.chart = write_chart(report, out_dir / "memory.png")
-    report.grid = write_grid(report, out_dir / "grid.png")
-    _write_reports(report)
-    return report
+    return _finish(report, out_dir)
 
 
 def _max_size(
