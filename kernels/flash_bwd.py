@@ -15,7 +15,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import LOG2E, MAX_HEAD_DIM, _masked_scores, autotune_options, interpreting, launch_grid, mask_kind, on_device, tile_configs, vector_align
+from .flash_fwd import (
+    ADDITIVE_MASK,
+    LOG2E,
+    MAX_HEAD_DIM,
+    NO_MASK,
+    _masked_scores,
+    autotune_options,
+    head_dim_parts,
+    interpreting,
+    launch_grid,
+    mask_kind,
+    on_device,
+    tile_configs,
+    vector_align,
+)
 
 
 @triton.jit
@@ -47,6 +61,24 @@ def _bwd_preprocess(
 
 
 @triton.jit
+def _load_rows(ptrs, stride_d, offs_d, d_valid, row_valid, DOT_FP32: tl.constexpr):
+    """A (rows, len(offs_d)) tile of row pointers ``ptrs``, zero outside; fp32 for the interpreter."""
+    t = tl.load(ptrs[:, None] + offs_d[None, :] * stride_d, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _load_cols(ptrs, stride_d, offs_d, d_valid, col_valid, DOT_FP32: tl.constexpr):
+    """The transposed tile, (len(offs_d), cols), of column pointers ``ptrs``."""
+    t = tl.load(ptrs[None, :] + offs_d[:, None] * stride_d, mask=d_valid[:, None] & col_valid[None, :], other=0.0)
+    if DOT_FP32:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Mask, DO, DK, DV, Lse, Delta,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -60,13 +92,15 @@ def _bwd_dkdv_kernel(
     sm_scale,
     qk_scale,  # sm_scale * LOG2E
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DA: tl.constexpr,  # the head dim as two power-of-two parts, as in the forward kernel
+    BLOCK_DB: tl.constexpr,  # (B = 0: part A alone)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
+    FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
@@ -77,70 +111,86 @@ def _bwd_dkdv_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     n_valid = offs_n < N_K
-    d_valid = offs_d < HEAD_DIM
     cols = offs_n.to(tl.int64)
-    nd_valid = n_valid[:, None] & d_valid[None, :]
 
-    # Offsets hinted as multiples of ALIGN: vector loads at head dims 40 and 80 (see the forward).
-    k = tl.load(K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
-                + tl.multiple_of(cols * stride_kn, ALIGN)[:, None] + offs_d[None, :] * stride_kd, mask=nd_valid, other=0.0)
-    v = tl.load(V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
-                + tl.multiple_of(cols * stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd, mask=nd_valid, other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-
+    # Row pointers, offsets hinted as multiples of ALIGN: vector loads at head dims 40 and 80.
+    k_rows = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(cols * stride_kn, ALIGN)
+    v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(cols * stride_vn, ALIGN)
     # Query-side tiles are read transposed, (BLOCK_D, BLOCK_M), so every product is a plain dot.
-    qT_ptrs = (Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
-               + tl.multiple_of(offs_m * stride_qm, ALIGN)[None, :] + offs_d[:, None] * stride_qd)
-    do_ptrs = (DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN)
-               + tl.multiple_of(offs_m * stride_dom, ALIGN)[:, None] + offs_d[None, :] * stride_dod)
+    q_cols = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(offs_m * stride_qm, ALIGN)
+    do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(offs_m * stride_dom, ALIGN)
     if MASK_KIND != 0:
         maskT_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[None, :] * stride_mm + cols[:, None] * stride_mn
     row_base = pid_bh.to(tl.int64) * N_Q
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    offs_da = tl.arange(0, BLOCK_DA)
+    da_valid = offs_da < HEAD_DIM
+    ka = _load_rows(k_rows, stride_kd, offs_da, da_valid, n_valid, DOT_FP32)
+    va = _load_rows(v_rows, stride_vd, offs_da, da_valid, n_valid, DOT_FP32)
+    dka = tl.zeros([BLOCK_N, BLOCK_DA], dtype=tl.float32)
+    dva = tl.zeros([BLOCK_N, BLOCK_DA], dtype=tl.float32)
+    if BLOCK_DB > 0:
+        offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
+        db_valid = offs_db < HEAD_DIM
+        kb = _load_rows(k_rows, stride_kd, offs_db, db_valid, n_valid, DOT_FP32)
+        vb = _load_rows(v_rows, stride_vd, offs_db, db_valid, n_valid, DOT_FP32)
+        dkb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
+        dvb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
+
     for start_m in range(0, N_Q, BLOCK_M):
         m_valid = (start_m + offs_m) < N_Q
-        qT = tl.load(qT_ptrs, mask=d_valid[:, None] & m_valid[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-        if DOT_FP32:
-            qT = qT.to(tl.float32)
-            do = do.to(tl.float32)
+        qTa = _load_cols(q_cols, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
+        doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
         lse = tl.load(Lse + row_base + start_m + offs_m, mask=m_valid, other=float("inf"))
         delta = tl.load(Delta + row_base + start_m + offs_m, mask=m_valid, other=0.0)
         # Fully masked rows carry lse = -inf; +inf makes their probabilities 0 instead of NaN.
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
         # -- recompute P^T (BLOCK_N, BLOCK_M) ---------------------------------------------
-        sT = tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale
+        sT = tl.dot(ka, qTa, input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            qTb = _load_cols(q_cols, stride_qd, offs_db, db_valid, m_valid, DOT_FP32)
+            dob = _load_rows(do_rows, stride_dod, offs_db, db_valid, m_valid, DOT_FP32)
+            sT = tl.dot(kb, qTb, sT, input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            sT = sT * qk_scale
         if MASK_KIND != 0:
             sT = _masked_scores(sT, maskT_ptrs, n_valid[:, None] & m_valid[None, :], MASK_KIND)
         else:
             sT = tl.where(n_valid[:, None] & m_valid[None, :], sT, float("-inf"))
-        pT = tl.math.exp2(sT - lse[None, :])
+        if FOLD_SCALE:  # -inf stays -inf: the scale is positive
+            pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+        else:
+            pT = tl.math.exp2(sT - lse[None, :])
 
         # -- dV += P^T dO; dS^T = P^T * (dP^T - delta); dK += dS^T Q ------------------------
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
+        pT_in = pT.to(doa.dtype)
+        dva = tl.dot(pT_in, doa, dva, input_precision=DOT_PRECISION)
+        dpT = tl.dot(va, tl.trans(doa), input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            dvb = tl.dot(pT_in, dob, dvb, input_precision=DOT_PRECISION)
+            dpT = tl.dot(vb, tl.trans(dob), dpT, input_precision=DOT_PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(qTa.dtype)
+        dka = tl.dot(dsT, tl.trans(qTa), dka, input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            dkb = tl.dot(dsT, tl.trans(qTb), dkb, input_precision=DOT_PRECISION)
 
-        qT_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        q_cols += BLOCK_M * stride_qm
+        do_rows += BLOCK_M * stride_dom
         if MASK_KIND != 0:
             maskT_ptrs += BLOCK_M * stride_mm
 
-    dk *= sm_scale
-    tl.store(DK + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN)
-             + tl.multiple_of(cols * stride_dkn, ALIGN)[:, None] + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=nd_valid)
-    tl.store(DV + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN)
-             + tl.multiple_of(cols * stride_dvn, ALIGN)[:, None] + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=nd_valid)
+    dk_rows = DK + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN) + tl.multiple_of(cols * stride_dkn, ALIGN)
+    dv_rows = DV + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN) + tl.multiple_of(cols * stride_dvn, ALIGN)
+    tl.store(dk_rows[:, None] + offs_da[None, :] * stride_dkd, (dka * sm_scale).to(DK.dtype.element_ty),
+             mask=n_valid[:, None] & da_valid[None, :])
+    tl.store(dv_rows[:, None] + offs_da[None, :] * stride_dvd, dva.to(DV.dtype.element_ty), mask=n_valid[:, None] & da_valid[None, :])
+    if BLOCK_DB > 0:
+        tl.store(dk_rows[:, None] + offs_db[None, :] * stride_dkd, (dkb * sm_scale).to(DK.dtype.element_ty),
+                 mask=n_valid[:, None] & db_valid[None, :])
+        tl.store(dv_rows[:, None] + offs_db[None, :] * stride_dvd, dvb.to(DV.dtype.element_ty),
+                 mask=n_valid[:, None] & db_valid[None, :])
 
 
 @triton.jit
@@ -156,13 +206,15 @@ def _bwd_dq_kernel(
     sm_scale,
     qk_scale,  # sm_scale * LOG2E
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DA: tl.constexpr,
+    BLOCK_DB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
+    FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
@@ -173,84 +225,101 @@ def _bwd_dq_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < N_Q
-    d_valid = offs_d < HEAD_DIM
     rows = offs_m.to(tl.int64)
-    md_valid = m_valid[:, None] & d_valid[None, :]
 
-    q = tl.load(Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN)
-                + tl.multiple_of(rows * stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd, mask=md_valid, other=0.0)
-    do = tl.load(DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN)
-                 + tl.multiple_of(rows * stride_dom, ALIGN)[:, None] + offs_d[None, :] * stride_dod, mask=md_valid, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
+    do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(rows * stride_dom, ALIGN)
+    k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
+    v_cols = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
+    if MASK_KIND != 0:
+        mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
+
+    offs_da = tl.arange(0, BLOCK_DA)
+    da_valid = offs_da < HEAD_DIM
+    qa = _load_rows(q_rows, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
+    doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
+    dqa = tl.zeros([BLOCK_M, BLOCK_DA], dtype=tl.float32)
+    if BLOCK_DB > 0:
+        offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
+        db_valid = offs_db < HEAD_DIM
+        qb = _load_rows(q_rows, stride_qd, offs_db, db_valid, m_valid, DOT_FP32)
+        dob = _load_rows(do_rows, stride_dod, offs_db, db_valid, m_valid, DOT_FP32)
+        dqb = tl.zeros([BLOCK_M, BLOCK_DB], dtype=tl.float32)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, mask=m_valid, other=float("inf"))
     delta = tl.load(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, mask=m_valid, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
-    kT_ptrs = (K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN)
-               + tl.multiple_of(offs_n * stride_kn, ALIGN)[None, :] + offs_d[:, None] * stride_kd)
-    vT_ptrs = (V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN)
-               + tl.multiple_of(offs_n * stride_vn, ALIGN)[None, :] + offs_d[:, None] * stride_vd)
-    if MASK_KIND != 0:
-        mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(0, N_K, BLOCK_N):
         n_valid = (start_n + offs_n) < N_K
-        kT = tl.load(kT_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
-        vT = tl.load(vT_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
-        if DOT_FP32:
-            kT = kT.to(tl.float32)
-            vT = vT.to(tl.float32)
+        kTa = _load_cols(k_cols, stride_kd, offs_da, da_valid, n_valid, DOT_FP32)
+        vTa = _load_cols(v_cols, stride_vd, offs_da, da_valid, n_valid, DOT_FP32)
         # -- recompute P, then dS = P * (dP - delta); dQ += dS K -------------------------------
-        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(qa, kTa, input_precision=DOT_PRECISION)
+        dp = tl.dot(doa, vTa, input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            kTb = _load_cols(k_cols, stride_kd, offs_db, db_valid, n_valid, DOT_FP32)
+            vTb = _load_cols(v_cols, stride_vd, offs_db, db_valid, n_valid, DOT_FP32)
+            s = tl.dot(qb, kTb, s, input_precision=DOT_PRECISION)
+            dp = tl.dot(dob, vTb, dp, input_precision=DOT_PRECISION)
+        if not FOLD_SCALE:
+            s = s * qk_scale
         if MASK_KIND != 0:
             s = _masked_scores(s, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
         else:
             s = tl.where(n_valid[None, :], s, float("-inf"))
-        p = tl.math.exp2(s - lse[:, None])
-        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
+        if FOLD_SCALE:
+            p = tl.math.exp2(s * qk_scale - lse[:, None])
+        else:
+            p = tl.math.exp2(s - lse[:, None])
+        ds = (p * (dp - delta[:, None])).to(kTa.dtype)
+        dqa = tl.dot(ds, tl.trans(kTa), dqa, input_precision=DOT_PRECISION)
+        if BLOCK_DB > 0:
+            dqb = tl.dot(ds, tl.trans(kTb), dqb, input_precision=DOT_PRECISION)
 
-        kT_ptrs += BLOCK_N * stride_kn
-        vT_ptrs += BLOCK_N * stride_vn
+        k_cols += BLOCK_N * stride_kn
+        v_cols += BLOCK_N * stride_vn
         if MASK_KIND != 0:
             mask_ptrs += BLOCK_N * stride_mn
 
-    dq *= sm_scale
-    tl.store(DQ + tl.multiple_of(off_b * stride_dqb + off_h * stride_dqh, ALIGN)
-             + tl.multiple_of(rows * stride_dqm, ALIGN)[:, None] + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=md_valid)
+    dq_rows = DQ + tl.multiple_of(off_b * stride_dqb + off_h * stride_dqh, ALIGN) + tl.multiple_of(rows * stride_dqm, ALIGN)
+    tl.store(dq_rows[:, None] + offs_da[None, :] * stride_dqd, (dqa * sm_scale).to(DQ.dtype.element_ty),
+             mask=m_valid[:, None] & da_valid[None, :])
+    if BLOCK_DB > 0:
+        tl.store(dq_rows[:, None] + offs_db[None, :] * stride_dqd, (dqb * sm_scale).to(DQ.dtype.element_ty),
+                 mask=m_valid[:, None] & db_valid[None, :])
 
 
-def _configs():
-    """Autotune space for the GPU, shared by both kernels."""
-    return tile_configs([(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 3)])
+def _dkdv_configs():
+    """dK/dV kernel tiles (BLOCK_N keys per program, BLOCK_M queries per step): those that won or
+    came within 5 % at some SD shape in ``scripts/sweep_configs.py`` (H200, triton 3.6)."""
+    return tile_configs([(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)])
+
+
+def _dq_configs():
+    """dQ kernel tiles (BLOCK_M queries per program, BLOCK_N keys per step), chosen the same way."""
+    return tile_configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)])
 
 
 def _prune(configs, named_args, **kwargs):
-    """Wide heads keep only small tiles: five tiles live at once in the backward pass."""
-    if kwargs["BLOCK_D"] >= 128:
+    """A padded 256-wide head keeps tiles of at most 64 x 64: five such tiles live at once."""
+    if kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256:
         small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
         return small or configs[-1:]
     return configs
 
 
-# Autotune key: sequence lengths and head dim. Each kernel overwrites its outputs whole, so
-# benchmarking a config leaves nothing stale behind.
-_KEY = ["N_Q", "N_K", "HEAD_DIM", "MASK_KIND"]
+# Autotune key: sequence lengths, head dim and its tiling. Each kernel overwrites its outputs
+# whole, so benchmarking a config leaves nothing stale behind.
+_KEY = ["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND"]
 
 
-def _tuned(kernel):
-    return triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, **autotune_options())(kernel)
+def _tuned(kernel, configs):
+    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune}, **autotune_options())(kernel)
 
 
-_dkdv_tuned = _tuned(_bwd_dkdv_kernel)
-_dq_tuned = _tuned(_bwd_dq_kernel)
+_dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
+_dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
 
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 _PREPROCESS_BLOCK_M = 64
@@ -265,13 +334,17 @@ def flash_attn_bwd(
     lse: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
-    config: dict | None = None,
+    config: dict | tuple[dict, dict] | None = None,
+    split_head_dim: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with respect to q, k and v.
 
     do, q, out: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; lse: fp32 (B, H, Nq) base-2
     log-sum-exp from :func:`flash_attn_fwd`; mask as given to the forward (4-D, broadcastable).
-    config: BLOCK_M, BLOCK_N, num_warps, num_stages for both kernels instead of autotuning.
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning: one
+    dict for both kernels, or a (dK/dV kernel, dQ kernel) pair.
+    split_head_dim: tile the head dim as two power-of-two parts, as the forward does (80 = 64 + 16,
+    160 = 128 + 32); None decides by head dim, layout and mask, by the forward's rule.
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
     B, H, Nq, D = q.shape
@@ -283,19 +356,26 @@ def flash_attn_bwd(
         mask = mask.expand(B, H, Nq, Nk)
     BH = B * H
     block_d = max(16, triton.next_power_of_2(D))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kind = mask_kind(mask)
+    align = vector_align(q, k, v, do, dq, dk, dv)
+    if split_head_dim is None and (align == 1 or kind != NO_MASK or Nq % 128 or Nk % 128):
+        split_head_dim = False  # the forward's rule: see fwd_meta
+    block_da, block_db = head_dim_parts(D, split_head_dim)
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ms = mask.stride() if mask is not None else (0, 0, 0, 0)
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
     tail = (H, BH, Nq, Nk, scale, scale * LOG2E)
     meta = dict(
         HEAD_DIM=D,
-        BLOCK_D=block_d,
-        MASK_KIND=mask_kind(mask),
+        BLOCK_DA=block_da,
+        BLOCK_DB=block_db,
+        MASK_KIND=kind,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        ALIGN=vector_align(q, k, v, do, dq, dk, dv),
+        ALIGN=align,
+        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
     )
     dkdv_args = (q, k, v, mask, do, dk, dv, lse, delta, *common, *dk.stride(), *dv.stride(), *tail)
     dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *tail)
@@ -306,8 +386,9 @@ def flash_attn_bwd(
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
         )
         if config is not None:
-            _bwd_dkdv_kernel[launch_grid(Nk, BH, config["BLOCK_N"])](*dkdv_args, **meta, **config)
-            _bwd_dq_kernel[launch_grid(Nq, BH, config["BLOCK_M"])](*dq_args, **meta, **config)
+            dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
+            _bwd_dkdv_kernel[launch_grid(Nk, BH, dkdv_config["BLOCK_N"])](*dkdv_args, **meta, **dkdv_config)
+            _bwd_dq_kernel[launch_grid(Nq, BH, dq_config["BLOCK_M"])](*dq_args, **meta, **dq_config)
         else:
             _dkdv_tuned[lambda META: launch_grid(Nk, BH, META["BLOCK_N"])](*dkdv_args, **meta)
             _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -65,6 +66,7 @@ def _attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (see vector_align)
+    FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: apply the scale inside exp2's FMA
 ):
     # -- which (batch, head) and query block -------------------------------------------
     # B*H is spread over grid dims 1 and 2 so that it can exceed 65,535.
@@ -124,17 +126,27 @@ def _attn_fwd_kernel(
             if DOT_FP32:
                 kb = kb.to(tl.float32)
             qk = tl.dot(qb, kb, qk, input_precision=DOT_PRECISION)
-        qk = qk * qk_scale
+        if not FOLD_SCALE:
+            qk = qk * qk_scale
         if MASK_KIND != 0:
             qk = _masked_scores(qk, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
         elif not EVEN_N:
             qk = tl.where(n_valid[None, :], qk, float("-inf"))
 
-        # -- online softmax --------------------------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # -- online softmax (m_i, l_i in base-2 units of the scaled scores) ----------------
+        if FOLD_SCALE:
+            # max(c * s) = c * max(s) for c > 0; exp2(s * c - m) is then one FMA per score,
+            # where scaling first costs a multiply and a subtract: the softmax, not the dots,
+            # bounds small head dims.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with every key so far masked keeps m = -inf; subtract 0 so that it stays 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
+        if FOLD_SCALE:
+            p = tl.math.exp2(qk * qk_scale - m_safe[:, None])
+        else:
+            p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -173,16 +185,17 @@ def _attn_fwd_kernel(
 def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
     """Power-of-two tile widths (A, B) covering the head dim; B = 0 when one tile serves.
 
-    ``split=None`` splits where it was measured to pay (H200, triton 3.6): when part B is a
-    single 16-wide tile, as in 40 -> (32, 16) and 80 -> (64, 16). 160 -> (128, 32) ran at a
-    third of the padded 256-wide tile's speed, so it stays whole. Tiles are at least 16 wide
-    (the tensor-core minimum); ``split=True`` forces two parts wherever the head dim allows.
+    ``split=None`` splits where it was measured to pay (H200, triton 3.6, diffusers' layout):
+    when part B is at most a quarter of part A. 80 -> (64, 16) ran at 390 TFLOP/s against 285
+    padded to 128, and 160 -> (128, 32) at 382 against 200 padded to 256; 40 -> (32, 16), where
+    B is half of A, ran at 236 against 245 padded to 64, so 40 stays whole. Tiles are at least
+    16 wide (the tensor-core minimum); ``split=True`` forces two parts wherever the head dim allows.
     """
     whole = max(16, triton.next_power_of_2(head_dim))
     a = max(16, whole // 2)
     b = max(16, triton.next_power_of_2(head_dim - a)) if head_dim > a else 0
     if split is None:
-        split = b == 16 and a + b < whole
+        split = 0 < b <= a // 4
     return (a, b) if split and b > 0 else (whole, 0)
 
 
@@ -192,35 +205,43 @@ def tile_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 def _configs():
-    """Autotune space for the GPU."""
+    """Autotune space for the GPU: every tile that won or came within 3 % at some SD shape in
+    ``scripts/sweep_configs.py`` (H200, triton 3.6); :func:`_prune` keeps the few that can win
+    for the shape at hand, so a new shape compiles and times at most six."""
     return tile_configs(
         [
-            (128, 64, 4, 3),
-            (128, 64, 8, 3),
-            (128, 128, 8, 3),
-            (128, 128, 4, 3),
-            (64, 64, 4, 3),
-            (128, 32, 4, 4),
-            (64, 32, 4, 3),
+            (128, 64, 4, 3),  # head dim 40 (one 64-wide tile), and bf16
+            (128, 64, 4, 4),  # head dim 80 (64 + 16)
+            (128, 64, 8, 3),  # head dim 160 (128 + 32), 64 at 4096 tokens
+            (128, 64, 8, 4),  # head dim 64 at 4096 tokens
+            (64, 64, 4, 3),  # 1024 tokens at head dim 80, and one padded 256-wide tile
+            (64, 64, 4, 4),  # 1024 tokens at head dim 64
+            (64, 32, 4, 3),  # 77 keys at head dim 64, and 256 tokens at a 256-wide tile
+            (128, 32, 4, 4),  # 77 keys at head dim 40
         ]
     )
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop configs whose tiles cannot fit (wide heads) or only waste work (short sequences)."""
-    block_d, n_q = kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"], named_args["N_Q"]
-    kept = [
-        c
-        for c in configs
-        if not (block_d >= 256 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 128 * 64)
-        and not (n_q <= 64 and c.kwargs["BLOCK_M"] > 64)
-    ]
-    return kept or configs[-1:]
+    """Keep the tiles that can win for this shape (see :func:`_configs`): 32-key blocks for short
+    key sequences, 64-row blocks for one padded 256-wide tile, 64-key blocks otherwise."""
+    n_k = named_args["N_K"]
+    wide = kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256
+
+    def keep(c):
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if wide and (bm != 64 or c.num_stages != 3):  # larger tiles spill or run out of shared memory
+            return False
+        if n_k <= 128:
+            return bn == 32
+        return wide or bn == 64
+
+    return [c for c in configs if keep(c)] or configs[-1:]
 
 
 def autotune_options() -> dict:
     """Keep autotuning results on disk beside Triton's kernel cache where Triton can (>= 3.3):
-    a pipeline's second run skips the minute of tuning its first run paid."""
+    a pipeline's second run skips the tuning its first run paid."""
     return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
@@ -271,6 +292,95 @@ def mask_kind(mask: torch.Tensor | None) -> int:
     return BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
 
 
+def fwd_meta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    return_lse: bool,
+    split_head_dim: bool | None,
+) -> dict:
+    """Check the inputs; return the kernel's constexprs for this layout (everything but the tiles)."""
+    assert q.ndim == k.ndim == v.ndim == 4, "q, k, v must be 4-D (B, H, N, D)"
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    assert k.shape == v.shape == (B, H, Nk, D), f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, Nk, {D})"
+    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
+    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    assert Nq >= 1 and Nk >= 1 and B * H >= 1, "empty sequence or batch"
+    if mask is not None:
+        assert mask.ndim == 4, "mask must be 4-D; broadcast dims of size 1"
+        assert mask.device == q.device, "mask must be on q's device"
+    align = vector_align(q, k, v, out)
+    kind = mask_kind(mask)
+    if split_head_dim is None and (align == 1 or kind != NO_MASK or Nk % 128):
+        # compute-sanitizer caught the split tiling reading shared memory out of bounds in the
+        # second dot (p @ v, part B) with a mask and 77 keys (triton 3.6, H200): wrong results or
+        # an illegal address. The split is taken only where it ran clean: aligned rows, no mask,
+        # and key blocks without a tail.
+        split_head_dim = False
+    block_da, block_db = head_dim_parts(D, split_head_dim)
+    return dict(
+        HEAD_DIM=D,
+        BLOCK_DA=block_da,
+        BLOCK_DB=block_db,
+        MASK_KIND=kind,
+        STORE_LSE=return_lse,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
+        ALIGN=align,
+        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
+    )
+
+
+def fwd_args(q, k, v, mask, out, lse, scale) -> tuple:
+    """The kernel's runtime arguments, in its order."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
+    return (
+        q, k, v, mask, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        H, B * H, Nq, Nk,
+        scale * LOG2E,
+    )
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a launch of one input layout needs besides its tensors: found once, then reused."""
+
+    meta: dict
+    config: dict | None = None  # the autotuner's pick, once it has tuned this shape
+
+
+# (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
+# constexprs and going through Triton's autotuner cost tens of microseconds per call on the
+# host, as much as a whole attention kernel at 77 keys; a UNet repeats a few dozen layouts.
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim) -> tuple:
+    mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device)
+    misaligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 != 0
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, misaligned,
+            mask_layout, scale > 0, return_lse, split_head_dim)
+
+
+def _config_kwargs(config: triton.Config) -> dict:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None) -> dict | None:
+    """The tiles the autotuner picked for this call's layout, once a call has tuned it."""
+    plan = _plans.get(_plan_key(q, k, v, mask, scale, return_lse, split_head_dim))
+    return None if plan is None else plan.config
+
+
 def flash_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,60 +402,28 @@ def flash_attn_fwd(
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
     """
-    assert q.ndim == k.ndim == v.ndim == 4, "q, k, v must be 4-D (B, H, N, D)"
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    assert k.shape == v.shape == (B, H, Nk, D), f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, Nk, {D})"
-    assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
-    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
-    assert Nq >= 1 and Nk >= 1 and B * H >= 1, "empty sequence or batch"
-    if mask is not None:
-        assert mask.ndim == 4, "mask must be 4-D; broadcast dims of size 1"
-        mask = mask.expand(B, H, Nq, Nk)  # a view: broadcast dims get stride 0
-        assert mask.device == q.device, "mask must be on q's device"
-
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
-    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32) if return_lse else None
-    ms = mask.stride() if mask is not None else (0, 0, 0, 0)
-    BH = B * H
-    args = (
-        q, k, v, mask, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
-        H, BH, Nq, Nk,
-        scale * LOG2E,
-    )
-    align = vector_align(q, k, v, out)
-    if split_head_dim is None and (align == 1 or mask_kind(mask) == BOOL_MASK):
-        # An illegal address was seen on the H200 with the split tiling, a bool mask and
-        # misaligned views (head dim 80, triton 3.6; cause not yet found): the split is only
-        # taken where it was measured sound, on aligned rows without a bool mask.
-        split_head_dim = False
-    block_da, block_db = head_dim_parts(D, split_head_dim)
-    meta = dict(
-        HEAD_DIM=D,
-        BLOCK_DA=block_da,
-        BLOCK_DB=block_db,
-        MASK_KIND=mask_kind(mask),
-        STORE_LSE=return_lse,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        ALIGN=align,
-    )
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    key = _plan_key(q, k, v, mask, scale, return_lse, split_head_dim)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim))
+    args = fwd_args(q, k, v, mask, out, lse, scale)
+    Nq, Nk, BH = q.shape[2], k.shape[2], q.shape[0] * q.shape[1]
 
-    def grid(META):
-        return launch_grid(Nq, BH, META["BLOCK_M"])
-
-    config = config or (_INTERPRET_CONFIG if interpreting() else None)
+    config = config or plan.config or (_INTERPRET_CONFIG if interpreting() else None)
     with on_device(q):
         if config is not None:
-            meta["EVEN_N"] = Nk % config["BLOCK_N"] == 0
-            _attn_fwd_kernel[grid(config)](*args, **meta, **config)
+            grid = launch_grid(Nq, BH, config["BLOCK_M"])
+            _attn_fwd_kernel[grid](*args, **plan.meta, **{"EVEN_N": Nk % config["BLOCK_N"] == 0, **config})
         else:
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
-            meta["EVEN_N"] = Nk % 128 == 0
-            _attn_fwd_tuned[grid](*args, **meta)
+            _attn_fwd_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
+            # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
+            plan.config = {**_config_kwargs(_attn_fwd_tuned.best_config), "EVEN_N": Nk % 128 == 0}
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

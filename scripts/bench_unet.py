@@ -19,7 +19,7 @@ from sdpatch.models import build_preset
 
 from _bench import environment, median_ms, peak_over, rel_err, unet_inputs
 
-CASES = [("sd15", 1024), ("sd15", 2048), ("sdxl", 1024), ("sdxl", 2048)]
+CASES = [("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024), ("sdxl", 2048)]
 VARIANTS = ["stock", "auto", "chunked"]  # auto = triton where it can serve the layer
 
 

@@ -1,35 +1,89 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one call on a fresh CUDA machine with no network:
-#   bash scripts/gpu_session.sh [step ...]     (steps: check sanitize bench unet profile compare train planner; default all;
-#   they take 20+ minutes together, so split them over calls of under 10 minutes)
-# Expects the wheels of sdpatch and diffusers in .whl/ (see docs/benchmarks.md), writes to $OUT.
+#   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
+# A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
+# at once (on a one-GPU machine, one after another on GPU 0). Steps:
+#   check sanitize sweep bench unet profile compare train planner multi (multi takes every GPU)
+# e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
+# Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
+# from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
+# and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
+# with the generated images left out. Expects the wheels of sdpatch and diffusers in .whl/ (see
+# docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+W=/tmp/gpu_session
+mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-steps=${*:-check sanitize bench unet compare train planner}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, triton, diffusers, sdpatch; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'sdpatch', sdpatch.__file__)"
-rc=0
-for s in $steps; do
-  echo "=== $s"
+# Run from outside the checkout: `python -m sdpatch` there would import its source tree, which
+# lacks the kernels the wheel installs as sdpatch.kernels.
+REPO=$(pwd)
+OUT=$(cd "$OUT" && pwd)
+cd "$W" || exit 1
+# NVLink multicast stays off: the lent machines' GPUs are shared (see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STEP_TIMEOUT=${STEP_TIMEOUT:-540}
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$W/gpus.txt"
+python3 -c "import torch, triton, diffusers, sdpatch; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'sdpatch', sdpatch.__file__)" | tee -a "$W/gpus.txt"
+ngpu=$(nvidia-smi --list-gpus | wc -l)
+
+collect() {  # everything small under $W, atomically, so that a cut-off call still returns it
+  tar -czf "$OUT/.results.tgz" -C "$W" --exclude='*/images' --exclude='gpus[0-9]*/*.png' --exclude='warmup.png' . \
+    && mv "$OUT/.results.tgz" "$OUT/results.tgz"
+}
+
+step() {  # step NAME: run one step on the GPUs this lane sees
+  local s=$1 rc=0 left=$(( END - $(date +%s) ))
+  [ "$left" -lt "$STEP_TIMEOUT" ] || left=$STEP_TIMEOUT
+  if [ "$left" -lt 20 ]; then echo "=== $s: skipped, no time left"; return 1; fi
+  local t="timeout -k 5 $left"
+  echo "=== $s (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $s in
-    check) python3 scripts/check_gpu.py 2>&1 | tee "$OUT/check_gpu.log" || rc=1 ;;
-    sanitize)
+    check) $t python3 "$REPO/scripts/check_gpu.py" > "$W/check_gpu.log" 2>&1 || rc=$? ;;
+    sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected
       for tool in memcheck racecheck; do
-        timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 python3 scripts/sanitize_kernels.py 2>&1 | tail -30 | tee "$OUT/sanitize_$tool.log" || rc=1
+        timeout -k 5 $(( left / 2 )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_$tool.log" 2>&1 || rc=$?
       done ;;
-    bench) python3 scripts/bench_kernels.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || rc=1 ;;
-    profile) python3 scripts/profile_unet.py 2>&1 | tee "$OUT/profile_unet.log" || rc=1 ;;
-    unet) python3 scripts/bench_unet.py --json "$OUT/bench_unet.json" 2>&1 | tee "$OUT/bench_unet.log" || rc=1 ;;
-    compare) python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked --steps 3 --seed 0 --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log" || rc=1 ;;
-    train) python3 scripts/bench_train_step.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" || rc=1 ;;
+    sweep) $t python3 "$REPO/scripts/sweep_configs.py" --json "$W/sweep.json" > "$W/sweep.log" 2>&1 || rc=$? ;;
+    bench) $t python3 "$REPO/scripts/bench_kernels.py" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
+    profile) $t python3 "$REPO/scripts/profile_unet.py" > "$W/profile_unet.log" 2>&1 || rc=$? ;;
+    unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
+    compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
+               --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
+    train) $t python3 "$REPO/scripts/bench_train_step.py" --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
     planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column
-      python3 scripts/check_planner.py --json "$OUT/check_planner.json" 2>&1 | tee "$OUT/check_planner.log" || rc=1
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/check_planner.py --json "$OUT/check_planner_expandable.json" 2>&1 | tee "$OUT/check_planner_expandable.log" || rc=1
-      python3 -m sdpatch compare --model sd15 --sizes 1024,2048 --backends stock,auto --vram-budget 3 --steps 3 --seed 0 --out "$OUT/compare_budget" 2>&1 | tee "$OUT/compare_budget.log" || rc=1 ;;
-    *) echo "unknown step $s"; rc=1 ;;
+      $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner.json" > "$W/check_planner.log" 2>&1 || rc=$?
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner_expandable.json" \
+        > "$W/check_planner_expandable.log" 2>&1 || rc=$?
+      $t python3 -m sdpatch compare --model sd15 --sizes 1024,2048 --backends stock,auto --vram-budget 3 --steps 3 --seed 0 \
+        --out "$W/compare_budget" --overwrite > "$W/compare_budget.log" 2>&1 || rc=$? ;;
+    multi) OUT="$W/multi" $t bash "$REPO/scripts/bench_multi_gpu.sh" > "$W/multi.log" 2>&1 || rc=$? ;;
+    *) echo "unknown step $s"; rc=2 ;;
   esac
-done
+  echo "=== $s: exit $rc $(date +%T)"
+  tail -n 25 "$W"/*"$s"*.log 2>/dev/null
+  collect
+  return $rc
+}
+
+lane() {  # lane GPU STEPS...
+  local gpu=$1 rc=0; shift
+  for s in "$@"; do CUDA_VISIBLE_DEVICES=$gpu step "$s" || rc=1; done
+  return $rc
+}
+
+rc=0
+if [ "$#" -eq 1 ] && [ "$1" = multi ]; then
+  step multi || rc=1
+elif [ "$ngpu" -ge "$#" ]; then
+  pids=(); i=0
+  for l in "$@"; do lane $i $l > "$W/lane$i.txt" 2>&1 & pids+=($!); i=$((i + 1)); done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  cat "$W"/lane*.txt
+else
+  for l in "$@"; do lane 0 $l || rc=1; done
+fi
+collect
 exit $rc

@@ -1,6 +1,6 @@
 """Where a UNet call's time goes, stock vs sdpatch: GPU time per kernel family (needs a CUDA GPU).
 
-    python scripts/profile_unet.py [--preset sd15] [--size 1024]
+    python scripts/profile_unet.py [--preset sd15] [--sizes 512,1024]
 
 The UNet benchmark shows sdpatch's UNet calls slower than stock by more than its attention
 kernels' measured gap accounts for; this splits each variant's CUDA time into attention
@@ -26,10 +26,15 @@ ATTENTION_KERNELS = ("attn", "fmha", "flash", "cudnn", "sdpa", "softmax")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="sd15")
-    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--sizes", default="512,1024")
     args = ap.parse_args()
     unet = build_preset(args.preset, device="cuda", dtype=torch.float16).unet
-    kw = unet_inputs(unet, 2, args.size, torch.float16)
+    for size in map(int, args.sizes.split(",")):
+        profile_size(unet, args.preset, size)
+
+
+def profile_size(unet, preset: str, size: int) -> None:
+    kw = unet_inputs(unet, 2, size, torch.float16)
     for variant in ("stock", "auto"):
         sdpatch.unpatch_unet(unet)
         if variant != "stock":
@@ -45,7 +50,7 @@ def main() -> None:
         total = sum(e.self_device_time_total for e in events) / 5 / 1e3
         attn = sum(e.self_device_time_total for e in events if any(s in e.key.lower() for s in ATTENTION_KERNELS)) / 5 / 1e3
         cpu = max(e.cpu_time_total for e in prof.key_averages()) / 5 / 1e3
-        print(f"{args.preset} {args.size}² {variant}: GPU {total:.1f} ms per call, attention kernels {attn:.1f} ms, CPU {cpu:.1f} ms")
+        print(f"{preset} {size}² {variant}: GPU {total:.1f} ms per call, attention kernels {attn:.1f} ms, CPU {cpu:.1f} ms")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
 

@@ -230,6 +230,10 @@ class TritonAttention(torch.autograd.Function):
 
 
 def _sdpa(q, k, v, scale, mask):
+    if any(t.data_ptr() % 16 or t.stride(-1) != 1 for t in (q, k, v)):
+        # PyTorch's fused kernels returned wrong values (rel err 1.4) on rows that do not start
+        # 16-byte aligned (a slice of wider rows, head dim 80, bool mask; H200, torch 2.11).
+        q, k, v = (t.contiguous() for t in (q, k, v))
     bias = mask.to(q.dtype) if mask is not None and mask.is_floating_point() else mask  # SDPA wants q's dtype
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     if mask is not None:

@@ -245,9 +245,10 @@ def test_triton_head_dim_tilings_agree(D, split):
 def test_head_dim_parts():
     from sdpatch.kernels.flash_fwd import head_dim_parts
 
-    assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256)] == [
-        (32, 16), (64, 0), (64, 16), (256, 0), (32, 0), (16, 0), (256, 0)
+    assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256, 72)] == [
+        (64, 0), (64, 0), (64, 16), (128, 32), (32, 0), (16, 0), (256, 0), (64, 16)
     ]
+    assert head_dim_parts(40, True) == (32, 16) and head_dim_parts(160, False) == (256, 0)
 
 
 @pytest.mark.parametrize(
@@ -263,3 +264,19 @@ def test_vector_align(D, dtype, layout, expect):
     from sdpatch.kernels.flash_fwd import vector_align
 
     assert vector_align(*make_qkv(2, 4, 33, 33, D, DT[dtype], layout)) == expect
+
+
+def test_launch_plans_follow_the_layout():
+    """A launch plan (constexprs, tuned tiles) is reused only by calls of the same layout:
+    same shapes and strides but rows that start misaligned get their own plan, and no hints."""
+    from sdpatch.kernels import flash_fwd
+
+    base = torch.randn(1, 2, 33, 48, generator=torch.Generator().manual_seed(0))
+    aligned, shifted = base[..., :40], base[..., 3:43]  # rows 16-byte aligned / 12 bytes off
+    assert aligned.shape == shifted.shape and aligned.stride() == shifted.stride()
+    for _ in range(2):  # the second round runs on the plans the first one made
+        for q in (aligned, shifted):
+            out, _ = flash_fwd.flash_attn_fwd(q, q, q, 0.1)
+            assert rel_err(out, attention_ref(q, q, q, scale=0.1)) <= RTOL[torch.float32]
+    plans = [flash_fwd._plans[flash_fwd._plan_key(q, q, q, None, 0.1, False, None)] for q in (aligned, shifted)]
+    assert plans[0].meta["ALIGN"] == 4 and plans[1].meta["ALIGN"] == 1
