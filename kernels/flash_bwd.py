@@ -11,6 +11,8 @@ Splitting dQ from dK/dV avoids atomics, so results are deterministic.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ from .flash_fwd import (
     NO_MASK,
     _masked_scores,
     autotune_options,
+    cdiv,
     head_dim_parts,
     interpreting,
     launch_grid,
@@ -88,7 +91,9 @@ def _bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_split,  # DK and DV: elements between the partial sums of consecutive query splits
     H, BH, N_Q, N_K,
+    n_splits,  # programs per key block, each over its own share of the query blocks
     sm_scale,
     qk_scale,  # sm_scale * LOG2E
     HEAD_DIM: tl.constexpr,
@@ -102,26 +107,34 @@ def _bwd_dkdv_kernel(
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
 ):
-    pid_n = tl.program_id(0)
+    # Grid dim 0 is key block x query split: with few keys (77 text tokens are 2 blocks a head),
+    # one program per key block leaves most of the GPU idle, so the query loop is shared out.
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
+    pid_n = tl.program_id(0) % n_blocks
+    pid_s = tl.program_id(0) // n_blocks
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     if pid_bh >= BH:
         return
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
+    m_per_split = tl.cdiv(tl.cdiv(N_Q, BLOCK_M), n_splits) * BLOCK_M
+    m_lo = pid_s * m_per_split
+    m_hi = tl.minimum(N_Q, m_lo + m_per_split)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_valid = offs_n < N_K
     cols = offs_n.to(tl.int64)
+    first_rows = m_lo.to(tl.int64) + offs_m
 
     # Row pointers, offsets hinted as multiples of ALIGN: vector loads at head dims 40 and 80.
     k_rows = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(cols * stride_kn, ALIGN)
     v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(cols * stride_vn, ALIGN)
     # Query-side tiles are read transposed, (BLOCK_D, BLOCK_M), so every product is a plain dot.
-    q_cols = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(offs_m * stride_qm, ALIGN)
-    do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(offs_m * stride_dom, ALIGN)
+    q_cols = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(first_rows * stride_qm, ALIGN)
+    do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(first_rows * stride_dom, ALIGN)
     if MASK_KIND != 0:
-        maskT_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[None, :] * stride_mm + cols[:, None] * stride_mn
+        maskT_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + first_rows[None, :] * stride_mm + cols[:, None] * stride_mn
     row_base = pid_bh.to(tl.int64) * N_Q
 
     offs_da = tl.arange(0, BLOCK_DA)
@@ -138,7 +151,7 @@ def _bwd_dkdv_kernel(
         dkb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
         dvb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
 
-    for start_m in range(0, N_Q, BLOCK_M):
+    for start_m in range(m_lo, m_hi, BLOCK_M):
         m_valid = (start_m + offs_m) < N_Q
         qTa = _load_cols(q_cols, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
         doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
@@ -181,8 +194,12 @@ def _bwd_dkdv_kernel(
         if MASK_KIND != 0:
             maskT_ptrs += BLOCK_M * stride_mm
 
-    dk_rows = DK + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN) + tl.multiple_of(cols * stride_dkn, ALIGN)
-    dv_rows = DV + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN) + tl.multiple_of(cols * stride_dvn, ALIGN)
+    # One split writes dK and dV themselves; several write fp32 partial sums that the launcher adds.
+    split_off = pid_s.to(tl.int64) * stride_split
+    dk_rows = (DK + split_off + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN)
+               + tl.multiple_of(cols * stride_dkn, ALIGN))
+    dv_rows = (DV + split_off + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN)
+               + tl.multiple_of(cols * stride_dvn, ALIGN))
     tl.store(dk_rows[:, None] + offs_da[None, :] * stride_dkd, (dka * sm_scale).to(DK.dtype.element_ty),
              mask=n_valid[:, None] & da_valid[None, :])
     tl.store(dv_rows[:, None] + offs_da[None, :] * stride_dvd, dva.to(DV.dtype.element_ty), mask=n_valid[:, None] & da_valid[None, :])
@@ -321,6 +338,21 @@ def _tuned(kernel, configs):
 _dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
 _dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
+    """dK/dV programs per key block: enough for about two programs per SM, none below 128 queries
+    each. Self-attention at SD sizes already has that many key blocks (1); 77 text tokens, two key
+    blocks a head, get 8 at (2, 8, 4096) on an H200."""
+    if device.type != "cuda":
+        return 1
+    programs = cdiv(n_k, 64) * bh
+    return max(1, min(cdiv(n_q, 128), 2 * _sm_count(device) // programs))
+
+
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 _PREPROCESS_BLOCK_M = 64
 
@@ -336,6 +368,7 @@ def flash_attn_bwd(
     mask: torch.Tensor | None = None,
     config: dict | tuple[dict, dict] | None = None,
     split_head_dim: bool | None = None,
+    query_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with respect to q, k and v.
 
@@ -345,6 +378,8 @@ def flash_attn_bwd(
     dict for both kernels, or a (dK/dV kernel, dQ kernel) pair.
     split_head_dim: tile the head dim as two power-of-two parts, as the forward does (80 = 64 + 16,
     160 = 128 + 32); None decides by head dim, layout and mask, by the forward's rule.
+    query_splits: dK/dV programs per key block, each over a share of the queries, their fp32 partial
+    sums added afterwards; None decides by the GPU's size (see :func:`default_query_splits`).
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
     B, H, Nq, D = q.shape
@@ -364,9 +399,18 @@ def flash_attn_bwd(
     block_da, block_db = head_dim_parts(D, split_head_dim)
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    splits = default_query_splits(Nq, Nk, BH, q.device) if query_splits is None else query_splits
+    assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
+    if splits > 1:  # fp32 partial sums, one per split, added below
+        dk_out, dv_out = (torch.empty((splits, B, H, Nk, D), device=q.device, dtype=torch.float32) for _ in range(2))
+        dkdv_strides = (*dk_out[0].stride(), *dv_out[0].stride(), dk_out.stride(0))
+    else:
+        dk_out, dv_out = dk, dv
+        dkdv_strides = (*dk.stride(), *dv.stride(), 0)
     ms = mask.stride() if mask is not None else (0, 0, 0, 0)
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
-    tail = (H, BH, Nq, Nk, scale, scale * LOG2E)
+    dims = (H, BH, Nq, Nk)
+    scales = (scale, scale * LOG2E)
     meta = dict(
         HEAD_DIM=D,
         BLOCK_DA=block_da,
@@ -377,9 +421,14 @@ def flash_attn_bwd(
         ALIGN=align,
         FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
     )
-    dkdv_args = (q, k, v, mask, do, dk, dv, lse, delta, *common, *dk.stride(), *dv.stride(), *tail)
-    dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *tail)
+    dkdv_args = (q, k, v, mask, do, dk_out, dv_out, lse, delta, *common, *dkdv_strides, *dims, splits, *scales)
+    dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *dims, *scales)
     config = config or (_INTERPRET_CONFIG if interpreting() else None)
+
+    def dkdv_grid(META):
+        n_blocks, *bh = launch_grid(Nk, BH, META["BLOCK_N"])
+        return (n_blocks * splits, *bh)
+
     with on_device(q):
         _bwd_preprocess[launch_grid(Nq, BH, _PREPROCESS_BLOCK_M)](
             out, do, delta, *out.stride(), *do.stride(), H, BH, Nq,
@@ -387,9 +436,12 @@ def flash_attn_bwd(
         )
         if config is not None:
             dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-            _bwd_dkdv_kernel[launch_grid(Nk, BH, dkdv_config["BLOCK_N"])](*dkdv_args, **meta, **dkdv_config)
+            _bwd_dkdv_kernel[dkdv_grid(dkdv_config)](*dkdv_args, **meta, **dkdv_config)
             _bwd_dq_kernel[launch_grid(Nq, BH, dq_config["BLOCK_M"])](*dq_args, **meta, **dq_config)
         else:
-            _dkdv_tuned[lambda META: launch_grid(Nk, BH, META["BLOCK_N"])](*dkdv_args, **meta)
+            _dkdv_tuned[dkdv_grid](*dkdv_args, **meta)
             _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)
+    if splits > 1:
+        dk.copy_(dk_out.sum(0))
+        dv.copy_(dv_out.sum(0))
     return dq, dk, dv

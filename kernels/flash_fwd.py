@@ -258,9 +258,14 @@ _attn_fwd_tuned = triton.autotune(
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: ``triton.cdiv`` is a constexpr function, a few us a call."""
+    return -(-a // b)
+
+
 def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
     """Row blocks on grid dim 0 (limit 2^31 - 1); B*H over dims 1 and 2 (65,535 each)."""
-    return triton.cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), triton.cdiv(bh, MAX_GRID_Y)
+    return cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), cdiv(bh, MAX_GRID_Y)
 
 
 def vector_align(*tensors: torch.Tensor) -> int:
