@@ -5,6 +5,7 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check sanitize sweep bench unet profile compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
+# BENCH_ONLY and SWEEP_ONLY pass --only to the bench and sweep steps (substrings of case names).
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -48,7 +49,7 @@ step() {  # step NAME: run one step on the GPUs this lane sees
       for tool in memcheck racecheck; do
         timeout -k 5 $(( left / 3 )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_$tool.log" 2>&1 || rc=$?
       done ;;
-    sweep) $t python3 "$REPO/scripts/sweep_configs.py" --json "$W/sweep.json" > "$W/sweep.log" 2>&1 || rc=$? ;;
+    sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} --json "$W/sweep.json" > "$W/sweep.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" > "$W/profile_unet.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
