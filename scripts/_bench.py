@@ -27,17 +27,17 @@ def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) 
     return kw
 
 
-def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """Test masks on the GPU: bool (row 0 fully masked), additive (Nq, Nk), or a padding mask."""
+def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, device: str = "cuda") -> torch.Tensor | None:
+    """Test masks: bool (row 0 fully masked), additive (Nq, Nk), or a padding mask."""
     if kind is None:
         return None
     if kind == "bool":
-        m = torch.rand(B, 1, Nq, Nk, device="cuda") > 0.3
+        m = torch.rand(B, 1, Nq, Nk, device=device) > 0.3
         m[:, :, 0] = False
         return m
     if kind == "additive":
-        return torch.randn(Nq, Nk, device="cuda", dtype=dtype)
-    a = torch.zeros(B, 1, 1, Nk, device="cuda", dtype=dtype)  # diffusers' encoder padding mask
+        return torch.randn(Nq, Nk, device=device, dtype=dtype)
+    a = torch.zeros(B, 1, 1, Nk, device=device, dtype=dtype)  # diffusers' encoder padding mask
     a[..., Nk // 2 :] = -10000.0
     return a
 

@@ -98,12 +98,12 @@ def as_config(t: tuple) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
 
 
-def inputs(c: Case, seed: int = 0):
+def inputs(c: Case, seed: int = 0, device: str = "cuda"):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[c.dtype]
-    g = torch.Generator("cuda").manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
 
     def r(n):
-        return torch.randn(c.B, n, c.H, c.D, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+        return torch.randn(c.B, n, c.H, c.D, device=device, dtype=dtype, generator=g).transpose(1, 2)
 
     return r(c.Nq), r(c.Nk), r(c.Nk)
 
@@ -154,8 +154,8 @@ def launcher(task, tensors):
     return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=pair, split_head_dim=label == "split")
 
 
-def case_tensors(c: Case):
-    q, k, v = inputs(c)
+def case_tensors(c: Case, device: str = "cuda"):
+    q, k, v = inputs(c, device=device)
     if not c.backward:
         return (q, k, v)
     out, lse = flash_attn_fwd(q, k, v, 1 / math.sqrt(c.D), return_lse=True)

@@ -1,0 +1,53 @@
+"""The GPU scripts' own logic, on the CPU through the Triton interpreter: a script that breaks should
+break here, not on a lent GPU (a 2-D mask once stopped scripts/sanitize_kernels.py there)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import sanitize_kernels  # noqa: E402
+import sweep_configs  # noqa: E402
+
+from sdpatch.kernels.flash_bwd import flash_attn_bwd  # noqa: E402
+from sdpatch.reference import attention_ref  # noqa: E402
+from test_attention import RTOL, rel_err  # noqa: E402
+
+SMALL_TILE = (16, 16, 4, 1)
+
+
+def test_sanitize_script_checks_every_shape_and_tile():
+    """The very launches compute-sanitizer watches on the GPU, each checked against float64."""
+    assert sanitize_kernels.main("cpu") == 0
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        sweep_configs.Case("fwd-D80", 1, 2, 33, 64, 80),
+        sweep_configs.Case("fwd-x77-D40", 1, 2, 20, 77, 40),
+        sweep_configs.Case("bwd-D80", 1, 2, 32, 48, 80, backward=True),
+    ],
+    ids=lambda c: c.name,
+)
+def test_sweep_launches_every_variant(case):
+    """Each variant the sweep times (tilings, folded scale, dK/dV and dQ tiles) computes attention."""
+    tensors = sweep_configs.case_tensors(case, device="cpu")
+    q, k, v = tensors[:3]
+    variants = {(kind, label) for _, kind, label, _ in sweep_configs.tasks(case)}
+    assert variants  # every kind and label the GPU run would time
+    for kind, label in sorted(variants):
+        result = sweep_configs.launcher((case, kind, label, SMALL_TILE), tensors)()
+        if kind == "fwd":
+            assert rel_err(result, attention_ref(q, k, v)) <= RTOL[torch.float16], label
+        else:
+            do, out, lse = tensors[3:]
+            expected = flash_attn_bwd(do, q, k, v, out, lse, 1 / math.sqrt(case.D))
+            for got, want in zip(result, expected):
+                assert rel_err(got, want.double()) <= RTOL[torch.float16], (kind, label)
