@@ -4,9 +4,12 @@ Only O and the base-2 log-sum-exp from the forward pass are kept. Three launches
 
 1. ``_bwd_preprocess``: delta = rowsum(dO * O), one fp32 number per query row.
 2. ``_bwd_dkdv_kernel``: one program per key block; loops over query blocks, accumulates dK, dV.
+   With few keys (77 text tokens) several programs share a key block's query blocks and write fp32
+   partial sums, which the launcher adds.
 3. ``_bwd_dq_kernel``: one program per query block; loops over key blocks, accumulates dQ.
 
-Splitting dQ from dK/dV avoids atomics, so results are deterministic.
+Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
+deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
 """
 
 from __future__ import annotations
