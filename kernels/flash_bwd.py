@@ -24,16 +24,16 @@ from .flash_fwd import (
     ADDITIVE_MASK,
     LOG2E,
     MAX_HEAD_DIM,
-    NO_MASK,
+    _batch_head,
     _masked_scores,
     autotune_options,
     cdiv,
-    head_dim_parts,
     interpreting,
     launch_grid,
     mask_kind,
     on_device,
     tile_configs,
+    tiling,
     vector_align,
 )
 
@@ -49,11 +49,9 @@ def _bwd_preprocess(
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    pid_bh, off_b, off_h = _batch_head(H)
     if pid_bh >= BH:
         return
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)
@@ -115,11 +113,9 @@ def _bwd_dkdv_kernel(
     n_blocks = tl.cdiv(N_K, BLOCK_N)
     pid_n = tl.program_id(0) % n_blocks
     pid_s = tl.program_id(0) // n_blocks
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    pid_bh, off_b, off_h = _batch_head(H)
     if pid_bh >= BH:
         return
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
     m_per_split = tl.cdiv(tl.cdiv(N_Q, BLOCK_M), n_splits) * BLOCK_M
     m_lo = pid_s * m_per_split
     m_hi = tl.minimum(N_Q, m_lo + m_per_split)
@@ -237,11 +233,9 @@ def _bwd_dq_kernel(
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    pid_bh, off_b, off_h = _batch_head(H)
     if pid_bh >= BH:
         return
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -397,9 +391,7 @@ def flash_attn_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, dq, dk, dv)
-    if split_head_dim is None and (align == 1 or kind != NO_MASK or Nq % 128 or Nk % 128):
-        split_head_dim = False  # the forward's rule: see fwd_meta
-    block_da, block_db = head_dim_parts(D, split_head_dim)
+    block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
 
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
     splits = default_query_splits(Nq, Nk, BH, q.device) if query_splits is None else query_splits

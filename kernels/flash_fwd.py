@@ -31,6 +31,14 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _batch_head(H):
+    """This program's index into B*H, and its batch and head (int64 for the offsets). B*H is spread
+    over grid dims 1 and 2 so that it can exceed 65,535 (see :func:`launch_grid`)."""
+    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    return pid_bh, (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+
+
+@triton.jit
 def _masked_scores(s, mask_ptrs, valid, MASK_KIND: tl.constexpr):
     """Apply the mask to a tile of base-2 scores; out-of-range entries become -inf."""
     if MASK_KIND == 1:
@@ -69,13 +77,10 @@ def _attn_fwd_kernel(
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: apply the scale inside exp2's FMA
 ):
     # -- which (batch, head) and query block -------------------------------------------
-    # B*H is spread over grid dims 1 and 2 so that it can exceed 65,535.
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+    pid_bh, off_b, off_h = _batch_head(H)
     if pid_bh >= BH:
         return
-    off_b = (pid_bh // H).to(tl.int64)
-    off_h = (pid_bh % H).to(tl.int64)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -197,6 +202,17 @@ def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
     if split is None:
         split = 0 < b <= a // 4
     return (a, b) if split and b > 0 else (whole, 0)
+
+
+def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: int) -> tuple[int, int]:
+    """The head-dim tiles a launch uses: :func:`head_dim_parts`, but with ``split=None`` two parts
+    only on aligned rows, without a mask, and with every sequence in ``lengths`` a whole number of
+    128-row blocks. compute-sanitizer caught the two-part tiling reading shared memory out of bounds
+    in its second p @ v dot with a mask and 77 keys (triton 3.6, H200: wrong results or an illegal
+    address); these are the launches where it ran clean. The backward kernels follow the same rule."""
+    if split is None and (align == 1 or kind != NO_MASK or any(n % 128 for n in lengths)):
+        split = False
+    return head_dim_parts(head_dim, split)
 
 
 def tile_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -321,13 +337,7 @@ def fwd_meta(
         assert mask.device == q.device, "mask must be on q's device"
     align = vector_align(q, k, v, out)
     kind = mask_kind(mask)
-    if split_head_dim is None and (align == 1 or kind != NO_MASK or Nk % 128):
-        # compute-sanitizer caught the split tiling reading shared memory out of bounds in the
-        # second dot (p @ v, part B) with a mask and 77 keys (triton 3.6, H200): wrong results or
-        # an illegal address. The split is taken only where it ran clean: aligned rows, no mask,
-        # and key blocks without a tail.
-        split_head_dim = False
-    block_da, block_db = head_dim_parts(D, split_head_dim)
+    block_da, block_db = tiling(D, split_head_dim, align, kind, Nk)
     return dict(
         HEAD_DIM=D,
         BLOCK_DA=block_da,

@@ -5,8 +5,24 @@ from __future__ import annotations
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention shape the kernel scripts measure: (B, H, Nq, Nk, D), forward or backward."""
+
+    name: str
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+    dtype: str = "fp16"
+    backward: bool = False
+    sdpatch_backend: str = "triton"
 
 
 def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -28,7 +44,8 @@ def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) 
 
 
 def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, device: str = "cuda") -> torch.Tensor | None:
-    """Test masks: bool (row 0 fully masked), additive (Nq, Nk), or a padding mask."""
+    """Test masks, 4-D as the kernels take them: bool (B, 1, Nq, Nk) with row 0 fully masked,
+    additive (1, 1, Nq, Nk), or diffusers' (B, 1, 1, Nk) encoder padding mask."""
     if kind is None:
         return None
     if kind == "bool":
@@ -36,8 +53,8 @@ def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, de
         m[:, :, 0] = False
         return m
     if kind == "additive":
-        return torch.randn(Nq, Nk, device=device, dtype=dtype)
-    a = torch.zeros(B, 1, 1, Nk, device=device, dtype=dtype)  # diffusers' encoder padding mask
+        return torch.randn(1, 1, Nq, Nk, device=device, dtype=dtype)
+    a = torch.zeros(B, 1, 1, Nk, device=device, dtype=dtype)
     a[..., Nk // 2 :] = -10000.0
     return a
 

@@ -29,24 +29,11 @@ import sdpatch
 from sdpatch.kernels.flash_fwd import flash_attn_fwd, head_dim_parts, tuned_config
 from sdpatch.reference import attention_ref
 
-from _bench import environment, peak_over
+from _bench import Case, environment, peak_over
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
 REF_ROWS = 512  # queries checked against float64 (the reference materializes its scores)
-
-
-@dataclass
-class Case:
-    name: str
-    B: int
-    H: int
-    Nq: int
-    Nk: int
-    D: int
-    dtype: str = "fp16"
-    backward: bool = False
-    sdpatch_backend: str = "triton"
 
 
 CASES = [

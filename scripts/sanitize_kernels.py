@@ -55,8 +55,6 @@ def main(device: str = "cuda") -> int:
     for B, H, Nq, Nk, D, mk, layout in SHAPES:
         q, k, v = (tensor(B, H, n, D, layout, device) for n in (Nq, Nk, Nk))
         mask = make_mask(mk, B, Nq, Nk, torch.float16, device)
-        if mask is not None:  # the kernels take 4-D masks (sdpatch.attention adds the leading dims)
-            mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
         ref = attention_ref(q, k, v, attn_mask=mask)
         scale = D**-0.5
         for c in fwd_configs():
