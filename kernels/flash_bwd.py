@@ -15,6 +15,7 @@ deterministic. The head dim is tiled as in the forward kernel (one padded tile, 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,8 +25,11 @@ from .flash_fwd import (
     ADDITIVE_MASK,
     LOG2E,
     MAX_HEAD_DIM,
+    _MAX_PLANS,
     _batch_head,
+    _config_kwargs,
     _masked_scores,
+    _plan_key,
     autotune_options,
     cdiv,
     interpreting,
@@ -354,6 +358,45 @@ _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages":
 _PREPROCESS_BLOCK_M = 64
 
 
+@dataclass(slots=True)
+class _BwdPlan:
+    """What the backward launches of one input layout need besides the tensors: found once."""
+
+    meta: dict
+    block_d: int  # the preprocess kernel's padded head dim
+    splits: int
+    configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
+
+
+# Like the forward's launch plans: a training step repeats a few dozen layouts, and the host work
+# of the checks and of Triton's autotuner (tens of us per launch) outlasts the kernels of a
+# 77-key cross-attention.
+_bwd_plans: dict[tuple, _BwdPlan] = {}
+
+
+def _bwd_plan(do, q, k, v, grads, mask, scale, split_head_dim, query_splits) -> _BwdPlan:
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    assert do.shape == q.shape, f"dO {tuple(do.shape)} must match q {tuple(q.shape)}"
+    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    kind = mask_kind(mask)
+    align = vector_align(q, k, v, do, *grads)
+    block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
+    splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
+    assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
+    meta = dict(
+        HEAD_DIM=D,
+        BLOCK_DA=block_da,
+        BLOCK_DB=block_db,
+        MASK_KIND=kind,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
+        ALIGN=align,
+        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
+    )
+    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits)
+
+
 def flash_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -381,21 +424,19 @@ def flash_attn_bwd(
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    assert do.shape == out.shape == q.shape, f"dO {tuple(do.shape)} and O {tuple(out.shape)} must match q {tuple(q.shape)}"
+    assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and lse.is_contiguous(), "lse must be contiguous fp32 (B, H, Nq)"
-    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), do.data_ptr() % 16 != 0, query_splits)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        if len(_bwd_plans) >= _MAX_PLANS:
+            _bwd_plans.clear()
+        plan = _bwd_plans[key] = _bwd_plan(do, q, k, v, (dq, dk, dv), mask, scale, split_head_dim, query_splits)
     if mask is not None:
         mask = mask.expand(B, H, Nq, Nk)
-    BH = B * H
-    block_d = max(16, triton.next_power_of_2(D))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kind = mask_kind(mask)
-    align = vector_align(q, k, v, do, dq, dk, dv)
-    block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
-
+    BH, splits = B * H, plan.splits
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    splits = default_query_splits(Nq, Nk, BH, q.device) if query_splits is None else query_splits
-    assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     if splits > 1:  # fp32 partial sums, one per split, added below
         dk_out, dv_out = (torch.empty((splits, B, H, Nk, D), device=q.device, dtype=torch.float32) for _ in range(2))
         dkdv_strides = (*dk_out[0].stride(), *dv_out[0].stride(), dk_out.stride(0))
@@ -406,19 +447,9 @@ def flash_attn_bwd(
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
     dims = (H, BH, Nq, Nk)
     scales = (scale, scale * LOG2E)
-    meta = dict(
-        HEAD_DIM=D,
-        BLOCK_DA=block_da,
-        BLOCK_DB=block_db,
-        MASK_KIND=kind,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        ALIGN=align,
-        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
-    )
     dkdv_args = (q, k, v, mask, do, dk_out, dv_out, lse, delta, *common, *dkdv_strides, *dims, splits, *scales)
     dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *dims, *scales)
-    config = config or (_INTERPRET_CONFIG if interpreting() else None)
+    config = config or plan.configs or (_INTERPRET_CONFIG if interpreting() else None)
 
     def dkdv_grid(META):
         n_blocks, *bh = launch_grid(Nk, BH, META["BLOCK_N"])
@@ -427,15 +458,17 @@ def flash_attn_bwd(
     with on_device(q):
         _bwd_preprocess[launch_grid(Nq, BH, _PREPROCESS_BLOCK_M)](
             out, do, delta, *out.stride(), *do.stride(), H, BH, Nq,
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
+            HEAD_DIM=D, BLOCK_D=plan.block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
         )
         if config is not None:
             dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-            _bwd_dkdv_kernel[dkdv_grid(dkdv_config)](*dkdv_args, **meta, **dkdv_config)
-            _bwd_dq_kernel[launch_grid(Nq, BH, dq_config["BLOCK_M"])](*dq_args, **meta, **dq_config)
+            _bwd_dkdv_kernel[dkdv_grid(dkdv_config)](*dkdv_args, **plan.meta, **dkdv_config)
+            _bwd_dq_kernel[launch_grid(Nq, BH, dq_config["BLOCK_M"])](*dq_args, **plan.meta, **dq_config)
         else:
-            _dkdv_tuned[dkdv_grid](*dkdv_args, **meta)
-            _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **meta)
+            _dkdv_tuned[dkdv_grid](*dkdv_args, **plan.meta)
+            _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **plan.meta)
+            # Later calls of this layout launch the tuned tiles directly.
+            plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
     if splits > 1:
         dk.copy_(dk_out.sum(0))
         dv.copy_(dv_out.sum(0))

@@ -17,6 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634  # 1/ln 2: exp(x) = exp2(x * LOG2E)
 MAX_HEAD_DIM = 256
 MAX_GRID_Y = 65535  # CUDA's limit on grid dims y and z
@@ -55,7 +60,7 @@ def _masked_scores(s, mask_ptrs, valid, MASK_KIND: tl.constexpr):
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Out, Lse,
+    Q, K, V, KB, VB, Mask, Out, Lse,  # KV_TMA: K, V are descriptors of part A's tiles, KB, VB of part B's
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -75,6 +80,7 @@ def _attn_fwd_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (see vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: apply the scale inside exp2's FMA
+    KV_TMA: tl.constexpr,  # K and V tiles come through TMA descriptors, which zero-fill out of bounds
 ):
     # -- which (batch, head) and query block -------------------------------------------
     pid_m = tl.program_id(0)
@@ -90,8 +96,9 @@ def _attn_fwd_kernel(
     # Offsets are hinted as multiples of ALIGN so that row loads vectorize at head dims such as
     # 40 and 80, whose strides Triton cannot prove divisible by 16 on its own.
     q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
-    k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
-    v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
+    if not KV_TMA:
+        k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
+        v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
     o_rows = Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN) + tl.multiple_of(rows * stride_om, ALIGN)
     if MASK_KIND != 0:
         mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + offs_n[None, :] * stride_mn
@@ -99,8 +106,9 @@ def _attn_fwd_kernel(
     # Head-dim part A; K is read transposed, (BLOCK_DA, BLOCK_N), so the score tile is a plain dot.
     offs_da = tl.arange(0, BLOCK_DA)
     da_valid = offs_da < HEAD_DIM
-    ka_ptrs = k_cols[None, :] + offs_da[:, None] * stride_kd
-    va_ptrs = v_rows[:, None] + offs_da[None, :] * stride_vd
+    if not KV_TMA:
+        ka_ptrs = k_cols[None, :] + offs_da[:, None] * stride_kd
+        va_ptrs = v_rows[:, None] + offs_da[None, :] * stride_vd
     qa = tl.load(q_rows[:, None] + offs_da[None, :] * stride_qd, mask=m_valid[:, None] & da_valid[None, :], other=0.0)
     if DOT_FP32:
         qa = qa.to(tl.float32)
@@ -108,8 +116,9 @@ def _attn_fwd_kernel(
     if BLOCK_DB > 0:  # head-dim part B
         offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
         db_valid = offs_db < HEAD_DIM
-        kb_ptrs = k_cols[None, :] + offs_db[:, None] * stride_kd
-        vb_ptrs = v_rows[:, None] + offs_db[None, :] * stride_vd
+        if not KV_TMA:
+            kb_ptrs = k_cols[None, :] + offs_db[:, None] * stride_kd
+            vb_ptrs = v_rows[:, None] + offs_db[None, :] * stride_vd
         qb = tl.load(q_rows[:, None] + offs_db[None, :] * stride_qd, mask=m_valid[:, None] & db_valid[None, :], other=0.0)
         if DOT_FP32:
             qb = qb.to(tl.float32)
@@ -118,16 +127,24 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
+    if KV_TMA:  # descriptor coordinates are int32
+        tma_b, tma_h = off_b.to(tl.int32), off_h.to(tl.int32)
     for start_n in range(0, N_K, BLOCK_N):
         n_valid = (start_n + offs_n) < N_K
         kv_valid = n_valid | EVEN_N  # all true when no key tail exists: the compiler drops it
         # -- compute qk ------------------------------------------------------------------
-        ka = tl.load(ka_ptrs, mask=da_valid[:, None] & kv_valid[None, :], other=0.0)
+        if KV_TMA:
+            ka = tl.trans(K.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DA))
+        else:
+            ka = tl.load(ka_ptrs, mask=da_valid[:, None] & kv_valid[None, :], other=0.0)
         if DOT_FP32:
             ka = ka.to(tl.float32)
         qk = tl.dot(qa, ka, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
-            kb = tl.load(kb_ptrs, mask=db_valid[:, None] & kv_valid[None, :], other=0.0)
+            if KV_TMA:
+                kb = tl.trans(KB.load([tma_b, tma_h, start_n, BLOCK_DA]).reshape(BLOCK_N, BLOCK_DB))
+            else:
+                kb = tl.load(kb_ptrs, mask=db_valid[:, None] & kv_valid[None, :], other=0.0)
             if DOT_FP32:
                 kb = kb.to(tl.float32)
             qk = tl.dot(qb, kb, qk, input_precision=DOT_PRECISION)
@@ -143,9 +160,10 @@ def _attn_fwd_kernel(
             # max(c * s) = c * max(s) for c > 0; exp2(s * c - m) is then one FMA per score,
             # where scaling first costs a multiply and a subtract: the softmax, not the dots,
             # bounds small head dims.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_tile = tl.max(qk, 1) * qk_scale
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_tile = tl.max(qk, 1)
+        m_new = tl.maximum(m_i, m_tile)
         # A row with every key so far masked keeps m = -inf; subtract 0 so that it stays 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         if FOLD_SCALE:
@@ -154,23 +172,32 @@ def _attn_fwd_kernel(
             p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc_a = acc_a * alpha[:, None]
+        if BLOCK_DB > 0:
+            acc_b = acc_b * alpha[:, None]
         m_i = m_new
 
         # -- accumulate p @ v -------------------------------------------------------------
-        va = tl.load(va_ptrs, mask=kv_valid[:, None] & da_valid[None, :], other=0.0)
+        if KV_TMA:
+            va = V.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DA)
+        else:
+            va = tl.load(va_ptrs, mask=kv_valid[:, None] & da_valid[None, :], other=0.0)
+            ka_ptrs += BLOCK_N * stride_kn
+            va_ptrs += BLOCK_N * stride_vn
         if DOT_FP32:
             va = va.to(tl.float32)
         p = p.to(va.dtype)
-        acc_a = tl.dot(p, va, acc_a * alpha[:, None], input_precision=DOT_PRECISION)
-        ka_ptrs += BLOCK_N * stride_kn
-        va_ptrs += BLOCK_N * stride_vn
+        acc_a = tl.dot(p, va, acc_a, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
-            vb = tl.load(vb_ptrs, mask=kv_valid[:, None] & db_valid[None, :], other=0.0)
+            if KV_TMA:
+                vb = VB.load([tma_b, tma_h, start_n, BLOCK_DA]).reshape(BLOCK_N, BLOCK_DB)
+            else:
+                vb = tl.load(vb_ptrs, mask=kv_valid[:, None] & db_valid[None, :], other=0.0)
+                kb_ptrs += BLOCK_N * stride_kn
+                vb_ptrs += BLOCK_N * stride_vn
             if DOT_FP32:
                 vb = vb.to(tl.float32)
-            acc_b = tl.dot(p, vb, acc_b * alpha[:, None], input_precision=DOT_PRECISION)
-            kb_ptrs += BLOCK_N * stride_kn
-            vb_ptrs += BLOCK_N * stride_vn
+            acc_b = tl.dot(p, vb, acc_b, input_precision=DOT_PRECISION)
         if MASK_KIND != 0:
             mask_ptrs += BLOCK_N * stride_mn
 
@@ -215,42 +242,88 @@ def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: i
     return head_dim_parts(head_dim, split)
 
 
-def tile_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:
     """Autotune configs from (BLOCK_M, BLOCK_N, warps, stages) tuples."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]
+
+
+def kv_tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V tiles can come through TMA descriptors: triton >= 3.4, a Hopper or newer GPU
+    (or the interpreter), 16-bit data, and the descriptor's alignment (16-byte base and strides)."""
+    if TensorDescriptor is None or k.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not interpreting() and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
+        return False
+    return vector_align(k, v) > 1
+
+
+def kv_operands(k: torch.Tensor, v: torch.Tensor, meta: dict, block_n: int = 16) -> tuple:
+    """The kernel's K, V, KB, VB arguments: the tensors themselves, or with KV_TMA descriptors of
+    (1, 1, block_n, part width) tiles over the (B, H, N, D) views, for head-dim parts A and B."""
+    if not meta["KV_TMA"]:
+        return k, v, None, None
+
+    def desc(t, width):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, width]) if width else None
+
+    return desc(k, meta["BLOCK_DA"]), desc(v, meta["BLOCK_DA"]), desc(k, meta["BLOCK_DB"]), desc(v, meta["BLOCK_DB"])
+
+
+def _kv_tile_rows(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' tiles follow the config's BLOCK_N."""
+    if nargs["KV_TMA"]:
+        for name in ("K", "V", "KB", "VB"):
+            if nargs[name] is not None:
+                nargs[name].block_shape[2] = nargs["BLOCK_N"]
+
+
+# Forward tiles (BLOCK_M, BLOCK_N, warps, stages): every tile that won or came within 3 % at some SD
+# shape in ``scripts/sweep_configs.py`` (H200, triton 3.6), for each way of loading K and V.
+POINTER_TILES = [
+    (128, 64, 4, 3),  # head dim 40 (one 64-wide tile), and bf16
+    (128, 64, 4, 4),  # head dim 80 (64 + 16)
+    (128, 64, 8, 3),  # head dim 160 (128 + 32), 64 at 4096 tokens
+    (128, 64, 8, 4),  # head dim 64 at 4096 tokens
+    (64, 64, 4, 3),  # 1024 tokens at head dim 80, and one padded 256-wide tile
+    (64, 64, 4, 4),  # 1024 tokens at head dim 64
+    (64, 32, 4, 3),  # 77 keys at head dim 64, and 256 tokens at a 256-wide tile
+    (128, 32, 4, 4),  # 77 keys at head dim 40
+]
+TMA_TILES = [
+    (128, 64, 4, 3),  # head dim 40 and bf16 at 4096 tokens
+    (128, 64, 4, 4),  # head dim 40 at 16384 tokens, head dim 80 (64 + 16) at 4096
+    (128, 128, 8, 2),  # head dim 160 (128 + 32) at 1024 tokens, 80 at 1024
+    (64, 128, 4, 3),  # head dim 64 at 4096 tokens
+    (64, 64, 4, 3),  # head dim 64 at 1024 tokens, 160 at 256
+    (128, 32, 4, 3),  # 77 keys at head dim 40 (when asked for: TMA is off there by default)
+    (64, 32, 4, 3),  # 77 keys at head dim 64
+]
 
 
 def _configs():
-    """Autotune space for the GPU: every tile that won or came within 3 % at some SD shape in
-    ``scripts/sweep_configs.py`` (H200, triton 3.6); :func:`_prune` keeps the few that can win
-    for the shape at hand, so a new shape compiles and times at most six."""
-    return tile_configs(
-        [
-            (128, 64, 4, 3),  # head dim 40 (one 64-wide tile), and bf16
-            (128, 64, 4, 4),  # head dim 80 (64 + 16)
-            (128, 64, 8, 3),  # head dim 160 (128 + 32), 64 at 4096 tokens
-            (128, 64, 8, 4),  # head dim 64 at 4096 tokens
-            (64, 64, 4, 3),  # 1024 tokens at head dim 80, and one padded 256-wide tile
-            (64, 64, 4, 4),  # 1024 tokens at head dim 64
-            (64, 32, 4, 3),  # 77 keys at head dim 64, and 256 tokens at a 256-wide tile
-            (128, 32, 4, 4),  # 77 keys at head dim 40
-        ]
-    )
+    """Autotune space for the GPU: both lists; :func:`_prune` keeps the few that can win for the
+    shape and load at hand, so a new shape compiles and times at most six."""
+    return tile_configs(list(dict.fromkeys(POINTER_TILES + TMA_TILES)), pre_hook=_kv_tile_rows)
 
 
 def _prune(configs, named_args, **kwargs):
-    """Keep the tiles that can win for this shape (see :func:`_configs`): 32-key blocks for short
-    key sequences, 64-row blocks for one padded 256-wide tile, 64-key blocks otherwise."""
+    """Keep the tiles that can win for this shape (see :data:`POINTER_TILES`, :data:`TMA_TILES`):
+    32-key blocks for short key sequences, 64-row blocks for one padded 256-wide tile, 64-key
+    blocks (pointer loads) or 64- and 128-key blocks (TMA) otherwise."""
     n_k = named_args["N_K"]
+    tma = kwargs["KV_TMA"]
     wide = kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256
+    tiles = set(TMA_TILES if tma else POINTER_TILES)
 
     def keep(c):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if (bm, bn, c.num_warps, c.num_stages) not in tiles:
+            return False
         if wide and (bm != 64 or c.num_stages != 3):  # larger tiles spill or run out of shared memory
             return False
         if n_k <= 128:
             return bn == 32
-        return wide or bn == 64
+        return wide or bn >= 64 if tma else bn == 64
 
     return [c for c in configs if keep(c)] or configs[-1:]
 
@@ -261,10 +334,10 @@ def autotune_options() -> dict:
     return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
-# Autotune key: sequence lengths, head dim and its tiling; the tiles that win change with each.
+# Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND"],
+    key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA"],
     prune_configs_by={"early_config_prune": _prune},
     **autotune_options(),
 )(_attn_fwd_kernel)
@@ -322,6 +395,7 @@ def fwd_meta(
     mask: torch.Tensor | None,
     return_lse: bool,
     split_head_dim: bool | None,
+    kv_tma: bool | None = None,
 ) -> dict:
     """Check the inputs; return the kernel's constexprs for this layout (everything but the tiles)."""
     assert q.ndim == k.ndim == v.ndim == 4, "q, k, v must be 4-D (B, H, N, D)"
@@ -338,6 +412,12 @@ def fwd_meta(
     align = vector_align(q, k, v, out)
     kind = mask_kind(mask)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nk)
+    tma_ok = kv_tma_ok(k, v)
+    assert tma_ok or not kv_tma, "kv_tma needs triton >= 3.4, a Hopper GPU, 16-bit data and 16-byte-aligned strides"
+    if kv_tma is None:
+        # TMA loads measured +3 to +9 % on self-attention (H200, triton 3.6) and nothing on 77 keys,
+        # where building the descriptors would only add host time to a 20 us kernel.
+        kv_tma = not interpreting() and Nk > 128
     return dict(
         HEAD_DIM=D,
         BLOCK_DA=block_da,
@@ -348,16 +428,17 @@ def fwd_meta(
         DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
         ALIGN=align,
         FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
+        KV_TMA=kv_tma and tma_ok,
     )
 
 
-def fwd_args(q, k, v, mask, out, lse, scale) -> tuple:
-    """The kernel's runtime arguments, in its order."""
+def fwd_args(q, k, v, mask, out, lse, scale, kv: tuple | None = None) -> tuple:
+    """The kernel's runtime arguments, in its order; ``kv``: K, V, KB, VB from :func:`kv_operands`."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
     return (
-        q, k, v, mask, out, lse,
+        q, *(kv or (k, v, None, None)), mask, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
         H, B * H, Nq, Nk,
         scale * LOG2E,
@@ -379,20 +460,20 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim) -> tuple:
+def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple:
     mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device)
     misaligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 != 0
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, misaligned,
-            mask_layout, scale > 0, return_lse, split_head_dim)
+            mask_layout, scale > 0, return_lse, split_head_dim, kv_tma)
 
 
 def _config_kwargs(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None) -> dict | None:
+def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None, kv_tma=None) -> dict | None:
     """The tiles the autotuner picked for this call's layout, once a call has tuned it."""
-    plan = _plans.get(_plan_key(q, k, v, mask, scale, return_lse, split_head_dim))
+    plan = _plans.get(_plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma))
     return None if plan is None else plan.config
 
 
@@ -405,6 +486,7 @@ def flash_attn_fwd(
     return_lse: bool = False,
     split_head_dim: bool | None = None,
     config: dict | None = None,
+    kv_tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel.
 
@@ -412,6 +494,8 @@ def flash_attn_fwd(
     4-D and broadcastable to (B, H, Nq, Nk) (size-1 dims are read with stride 0).
     split_head_dim: tile the head dim as two power-of-two parts (see :func:`head_dim_parts`);
     None decides by head dim, layout and mask.
+    kv_tma: load K and V tiles through TMA descriptors (Hopper); None: where the GPU and layout
+    allow it, on more than 128 keys.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning
     (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
@@ -419,21 +503,22 @@ def flash_attn_fwd(
     """
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    key = _plan_key(q, k, v, mask, scale, return_lse, split_head_dim)
+    key = _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim))
-    args = fwd_args(q, k, v, mask, out, lse, scale)
+        plan = _plans[key] = _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma))
     Nq, Nk, BH = q.shape[2], k.shape[2], q.shape[0] * q.shape[1]
 
     config = config or plan.config or (_INTERPRET_CONFIG if interpreting() else None)
     with on_device(q):
         if config is not None:
+            args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta, config["BLOCK_N"]))
             grid = launch_grid(Nq, BH, config["BLOCK_M"])
             _attn_fwd_kernel[grid](*args, **plan.meta, **{"EVEN_N": Nk % config["BLOCK_N"] == 0, **config})
         else:
+            args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta))  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
             _attn_fwd_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
@@ -441,4 +526,4 @@ def flash_attn_fwd(
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "kv_operands", "kv_tma_ok", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

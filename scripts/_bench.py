@@ -69,18 +69,35 @@ def peak_over(fn) -> tuple[object, int]:
     return out, torch.cuda.max_memory_allocated() - before
 
 
-def median_ms(fn, reps: int = 5) -> float:
-    """Median wall time of ``fn`` in ms, timed with CUDA events after one warm-up."""
+def timed_ms(fn) -> float:
+    """Wall time of one call of ``fn`` in ms, between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     fn()
-    times = []
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def use_variant(unet, variant: str) -> None:
+    """Give the UNet stock diffusers attention, or sdpatch's with ``variant`` as its backend."""
+    import sdpatch
+
+    sdpatch.unpatch_unet(unet)
+    if variant != "stock":
+        sdpatch.patch_unet(unet, backend=variant)
+
+
+def alternating_median_ms(unet, variants, fn, reps: int = 9) -> dict[str, float]:
+    """Median ms of ``fn`` under each variant, the variants' calls alternating, so that a drift in
+    host load (another job on the machine) reaches each alike: v2's runs, timed one variant after
+    the other, disagreed by up to 30 % on host-bound calls."""
+    times = {v: [] for v in variants}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for v in variants:
+            use_variant(unet, v)
+            times[v].append(timed_ms(fn))
+    return {v: statistics.median(t) for v, t in times.items()}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

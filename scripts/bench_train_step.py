@@ -5,7 +5,8 @@
 SD 1.5-architecture UNet with random fp32 weights, fp16 autocast, batch 4, at 512² and 768²,
 gradient checkpointing off and on. A step is forward, MSE loss against noise, and backward
 (the optimizer's memory does not depend on attention, so it is left out). Reports peak memory
-allocated over the weights, median ms per step, and conv_in's gradient (every layer's gradient
+allocated over the weights, median ms per step (the variants' steps alternate, so that host load
+from elsewhere reaches both alike), and conv_in's gradient (every layer's gradient
 flows into it) against stock's and against an fp32 step without autocast: fp16 rounding through a
 random-weight UNet moves that gradient by percents, so the fp32 figures say whether sdpatch's
 gradient is any further from the exact one than stock's is.
@@ -19,13 +20,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-import sdpatch
 from sdpatch.models import build_preset
 
-from _bench import environment, median_ms, peak_over, rel_err, unet_inputs
+from _bench import alternating_median_ms, environment, peak_over, rel_err, unet_inputs, use_variant
 
 SIZES = [512, 768]
 BATCH = 4
+VARIANTS = ("stock", "auto")
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
                 pred = unet(**kw).sample
             F.mse_loss(pred.float(), target).backward()
 
-        sdpatch.unpatch_unet(unet)
+        use_variant(unet, "stock")
         unet.disable_gradient_checkpointing()
         tf32 = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = False  # convolutions in TF32 would round like fp16
@@ -59,31 +60,31 @@ def main() -> None:
                 unet.enable_gradient_checkpointing()
             else:
                 unet.disable_gradient_checkpointing()
-            ref_grad = None
-            for variant in ("stock", "auto"):
-                sdpatch.unpatch_unet(unet)
-                if variant != "stock":
-                    sdpatch.patch_unet(unet, backend=variant)
+            found = {}
+            for variant in VARIANTS:
+                use_variant(unet, variant)
                 step()  # warm-up: compile and autotune the kernels
                 for p in params:  # the previous step's gradients must not count as "before"
                     p.grad = None
                 _, peak = peak_over(step)
-                grad = unet.conv_in.weight.grad.detach().clone()
-                ms = median_ms(step)
-                ref_grad = grad if variant == "stock" else ref_grad
-                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=peak / 2**20, ms=ms,
-                           grad_rel_err=None if variant == "stock" else rel_err(grad, ref_grad),
-                           grad_rel_err_fp32=rel_err(grad, exact))
+                found[variant] = dict(peak=peak, grad=unet.conv_in.weight.grad.detach().clone())
+            ms = alternating_median_ms(unet, VARIANTS, step)
+            stock = found["stock"]
+            for variant, f in found.items():
+                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=f["peak"] / 2**20,
+                           ms=ms[variant], time_ratio=ms[variant] / ms["stock"],
+                           grad_rel_err=None if variant == "stock" else rel_err(f["grad"], stock["grad"]),
+                           grad_rel_err_fp32=rel_err(f["grad"], exact))
                 print(row, flush=True)
                 rows.append(row)
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
     env = environment()
     print(env)
-    print("| size | checkpointing | variant | peak over weights MiB | ms / step | conv_in grad rel err vs stock | vs fp32 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| size | checkpointing | variant | peak over weights MiB | ms / step | × stock | conv_in grad rel err vs stock | vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
-        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f}"
+        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {r['time_ratio']:.2f}"
               f" | {err} | {r['grad_rel_err_fp32']:.1e} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -4,7 +4,7 @@
 
 Random-weight SD 1.5 and SDXL UNets from sdpatch's presets, fp16, batch 2 (one image with
 classifier-free guidance). For each variant: peak memory allocated over the weights and inputs,
-median ms per UNet call, and the output's relative error against stock.
+median ms per UNet call (the variants' calls alternating), and the output's relative error against stock.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import json
 
 import torch
 
-import sdpatch
 from sdpatch.models import build_preset
 
-from _bench import environment, median_ms, peak_over, rel_err, unet_inputs
+from _bench import alternating_median_ms, environment, peak_over, rel_err, unet_inputs, use_variant
 
 CASES = [("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024), ("sdxl", 2048)]
 VARIANTS = ["stock", "auto", "chunked"]  # auto = triton where it can serve the layer
@@ -29,22 +28,22 @@ def run(preset: str, sizes: list[int]) -> list[dict]:
     rows = []
     for size in sizes:
         kw = unet_inputs(unet, 2, size, torch.float16)
-        ref = None
+        call = lambda: unet(**kw).sample  # noqa: E731
+        found = {}
         for variant in VARIANTS:
-            sdpatch.unpatch_unet(unet)
-            if variant != "stock":
-                sdpatch.patch_unet(unet, backend=variant)
-            call = lambda: unet(**kw).sample  # noqa: E731
+            use_variant(unet, variant)
             call()  # warm-up: compile and autotune outside the numbers
-            out, peak = peak_over(call)
-            ms = median_ms(call)
-            ref = out if variant == "stock" else ref
-            row = dict(preset=preset, size=size, variant=variant, peak_mib=peak / 2**20, ms=ms,
-                       rel_err=None if variant == "stock" else rel_err(out, ref))
+            found[variant] = peak_over(call)
+            torch.cuda.empty_cache()
+        ms = alternating_median_ms(unet, VARIANTS, call)
+        ref = found["stock"][0]
+        for variant, (out, peak) in found.items():
+            row = dict(preset=preset, size=size, variant=variant, peak_mib=peak / 2**20, ms=ms[variant],
+                       time_ratio=ms[variant] / ms["stock"], rel_err=None if variant == "stock" else rel_err(out, ref))
             print(row, flush=True)
             rows.append(row)
-            del out
-            torch.cuda.empty_cache()
+        del found, ref
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -57,11 +56,11 @@ def main() -> None:
         rows += run(preset, [s for p, s in CASES if p == preset])
     env = environment()
     print(env)
-    print("| model | size | variant | peak over weights MiB | ms / call | rel err vs stock |")
-    print("|---|---|---|---|---|---|")
+    print("| model | size | variant | peak over weights MiB | ms / call | × stock | rel err vs stock |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         err = "–" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-        print(f"| {r['preset']} | {r['size']}² | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {err} |")
+        print(f"| {r['preset']} | {r['size']}² | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {r['time_ratio']:.2f} | {err} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)

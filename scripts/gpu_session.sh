@@ -5,7 +5,7 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check sanitize sweep bench unet profile compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
-# BENCH_ONLY and SWEEP_ONLY pass --only to the bench and sweep steps (substrings of case names).
+# sweep=ONLY and bench=ONLY pass --only ONLY to those steps (comma-separated substrings of case names).
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -35,8 +35,9 @@ collect() {  # everything small under $W, atomically, so that a cut-off call sti
     && mv "$OUT/.results.tgz" "$OUT/results.tgz"
 }
 
-step() {  # step NAME: run one step on the GPUs this lane sees
-  local s=$1 rc=0 left=$(( END - $(date +%s) ))
+step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
+  local s=${1%%=*} only= rc=0 left=$(( END - $(date +%s) ))
+  [ "$s" = "$1" ] || only=${1#*=}
   [ "$left" -lt "$STEP_TIMEOUT" ] || left=$STEP_TIMEOUT
   if [ "$left" -lt 20 ]; then echo "=== $s: skipped, no time left"; return 1; fi
   local t="timeout -k 5 $left"
@@ -45,12 +46,13 @@ step() {  # step NAME: run one step on the GPUs this lane sees
     check) $t python3 "$REPO/scripts/check_gpu.py" > "$W/check_gpu.log" 2>&1 || rc=$? ;;
     sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected. A plain run
       # first fills Triton's kernel cache: compiling under the sanitizer took over 150 s and ran out of time.
-      timeout -k 5 $(( left / 3 )) python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_plain.log" 2>&1 || rc=$?
+      # A plain run cut off here has only filled less of the cache: its 124 is no failure.
+      timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
       for tool in memcheck racecheck; do
-        timeout -k 5 $(( left / 3 )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_$tool.log" 2>&1 || rc=$?
+        timeout -k 5 $(( left * 3 / 10 )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_$tool.log" 2>&1 || rc=$?
       done ;;
-    sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} --json "$W/sweep.json" > "$W/sweep.log" 2>&1 || rc=$? ;;
-    bench) $t python3 "$REPO/scripts/bench_kernels.py" ${BENCH_ONLY:+--only "$BENCH_ONLY"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
+    sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
+    bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" > "$W/profile_unet.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \

@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck  python scripts/sanitize_kernels.py
     compute-sanitizer --tool racecheck python scripts/sanitize_kernels.py
 
-Forward with every tile config the autotuner may pick, in the head-dim tiling the launcher picks
-itself (so the two-part tiling at head dims 80 and 160 wherever the launcher would use it), and
+Forward with every tile config the autotuner may pick for the shape, K and V loaded through pointers
+and, where the GPU has TMA, through descriptors, in the head-dim tiling the launcher picks itself (so the two-part tiling at head dims 80 and 160 wherever the launcher would use it), and
 backward with every pair of tiles; at odd lengths, head dims 40, 80 and 160, cross-attention on
 77 keys, masks, and misaligned views. Each forward is also checked against the float64 reference,
 so a wrong result fails too. A config that needs more shared memory than the GPU has is skipped
@@ -20,7 +20,8 @@ from triton.runtime.errors import OutOfResources
 
 from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _configs as fwd_configs
-from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd
+from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, kv_tma_ok
+from sdpatch.kernels.flash_fwd import _prune as fwd_prune
 from sdpatch.reference import attention_ref
 
 from _bench import make_mask
@@ -57,16 +58,18 @@ def main(device: str = "cuda") -> int:
         mask = make_mask(mk, B, Nq, Nk, torch.float16, device)
         ref = attention_ref(q, k, v, attn_mask=mask)
         scale = D**-0.5
-        for c in fwd_configs():
-            try:
-                out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True, config=_config_kwargs(c))
-            except OutOfResources:
-                continue
-            launches += 1
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            if not err <= 1e-2:
-                bad += 1
-                print(f"WRONG fwd {B, H, Nq, Nk, D, mk, layout} {c}: {err:.2e}", flush=True)
+        for tma in (False, True) if kv_tma_ok(k, v) else (False,):
+            meta = fwd_meta(q, k, v, torch.empty_like(q), scale, mask, True, None, tma)
+            for c in fwd_prune(fwd_configs(), {"N_K": Nk}, **meta):  # what the autotuner may pick here
+                try:
+                    out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True, config=_config_kwargs(c), kv_tma=tma)
+                except OutOfResources:
+                    continue
+                launches += 1
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                if not err <= 1e-2:
+                    bad += 1
+                    print(f"WRONG fwd {B, H, Nq, Nk, D, mk, layout} {c} kv_tma={tma}: {err:.2e}", flush=True)
         do = torch.randn_like(q)
         for pair in zip(_dkdv_configs(), _dq_configs()):
             try:
@@ -74,6 +77,7 @@ def main(device: str = "cuda") -> int:
             except OutOfResources:
                 continue
             launches += 1
+        print(f"{B, H, Nq, Nk, D, mk, layout}: {launches} launches so far, {bad} wrong", flush=True)
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"{launches} launches, {bad} wrong results")

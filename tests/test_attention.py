@@ -6,6 +6,7 @@ Triton runs under TRITON_INTERPRET=1 (tests/conftest.py) on the CPU, so its shap
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -242,6 +243,57 @@ def test_triton_head_dim_tilings_agree(D, split):
     assert rel_err(out, attention_ref(q, k, v, attn_mask=mask)) <= RTOL[torch.float16]
 
 
+@pytest.mark.parametrize(
+    "B,H,Nq,Nk,D,dtype,mask_kind,split",
+    [
+        pytest.param(1, 2, 17, 19, 40, "fp16", "none", False, id="B1-H2-N17x19-D40-fp16"),
+        pytest.param(2, 1, 16, 77, 40, "fp16", "padding", False, id="B2-H1-N16x77-D40-fp16-padding"),
+        pytest.param(1, 1, 33, 128, 80, "fp16", "none", True, id="B1-H1-N33x128-D80-fp16-split"),
+        pytest.param(1, 2, 20, 21, 64, "bf16", "bool", False, id="B1-H2-N20x21-D64-bf16-bool"),
+    ],
+)
+@pytest.mark.skipif(not importlib.util.find_spec("triton.tools.tensor_descriptor"), reason="triton < 3.4: no TMA descriptors")
+def test_triton_kv_tma(B, H, Nq, Nk, D, dtype, mask_kind, split):
+    """K and V tiles through TMA descriptors (diffusers' layout): the descriptors' zero fill stands
+    in for the key-tail and head-dim masks of the pointer loads."""
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd, kv_tma_ok
+
+    q, k, v = make_qkv(B, H, Nq, Nk, D, DT[dtype], "bnhd")
+    assert kv_tma_ok(k, v)
+    mask = make_mask(mask_kind, B, H, Nq, Nk, DT[dtype])
+    out, _ = flash_attn_fwd(q, k, v, D**-0.5, mask, split_head_dim=split, kv_tma=True)
+    assert rel_err(out, attention_ref(q, k, v, attn_mask=mask)) <= RTOL[DT[dtype]]
+
+
+def test_kv_tma_needs_aligned_rows():
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd, kv_tma_ok
+
+    q, k, v = make_qkv(1, 1, 8, 8, 40, torch.float16, "sliced")
+    assert not kv_tma_ok(k, v)
+    with pytest.raises(AssertionError, match="16-byte-aligned"):
+        flash_attn_fwd(q, k, v, 1.0, kv_tma=True)
+
+
+@pytest.mark.parametrize(
+    "n_k,da,db,tma,expect",
+    [
+        pytest.param(4096, 64, 0, True, {(128, 64), (128, 128), (64, 128), (64, 64)}, id="self-D64-tma"),
+        pytest.param(4096, 64, 0, False, {(128, 64), (64, 64)}, id="self-D64-pointers"),
+        pytest.param(77, 64, 0, True, {(128, 32), (64, 32)}, id="x77-D40-tma"),
+        pytest.param(77, 64, 0, False, {(64, 32), (128, 32)}, id="x77-D40-pointers"),
+        pytest.param(1024, 256, 0, False, {(64, 64)}, id="wide-D256"),
+    ],
+)
+def test_forward_tile_pruning(n_k, da, db, tma, expect):
+    """Each shape and load keeps only tiles from its own measured list, at most six of them."""
+    from sdpatch.kernels.flash_fwd import POINTER_TILES, TMA_TILES, _configs, _prune
+
+    kept = _prune(_configs(), {"N_K": n_k}, BLOCK_DA=da, BLOCK_DB=db, KV_TMA=tma)
+    assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept} == expect and len(kept) <= 6
+    tiles = TMA_TILES if tma else POINTER_TILES
+    assert all((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in tiles for c in kept)
+
+
 def test_head_dim_parts():
     from sdpatch.kernels.flash_fwd import head_dim_parts
 
@@ -278,5 +330,5 @@ def test_launch_plans_follow_the_layout():
         for q in (aligned, shifted):
             out, _ = flash_fwd.flash_attn_fwd(q, q, q, 0.1)
             assert rel_err(out, attention_ref(q, q, q, scale=0.1)) <= RTOL[torch.float32]
-    plans = [flash_fwd._plans[flash_fwd._plan_key(q, q, q, None, 0.1, False, None)] for q in (aligned, shifted)]
+    plans = [flash_fwd._plans[flash_fwd._plan_key(q, q, q, None, 0.1, False, None, None)] for q in (aligned, shifted)]
     assert plans[0].meta["ALIGN"] == 4 and plans[1].meta["ALIGN"] == 1

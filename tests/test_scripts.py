@@ -37,7 +37,7 @@ def test_sanitize_script_checks_every_shape_and_tile():
     ids=lambda c: c.name,
 )
 def test_sweep_launches_every_variant(case):
-    """Each variant the sweep times (tilings, folded scale, dK/dV and dQ tiles) computes attention."""
+    """Each variant the sweep times (tilings, K/V loads, dK/dV and dQ tiles) computes attention."""
     tensors = sweep_configs.case_tensors(case, device="cpu")
     q, k, v = tensors[:3]
     variants = {(kind, label) for _, kind, label, _ in sweep_configs.tasks(case)}
