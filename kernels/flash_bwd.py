@@ -15,7 +15,7 @@ deterministic. The head dim is tiled as in the forward kernel (one padded tile, 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -30,6 +30,7 @@ from .flash_fwd import (
     _config_kwargs,
     _masked_scores,
     _plan_key,
+    launch,
     autotune_options,
     cdiv,
     interpreting,
@@ -366,6 +367,7 @@ class _BwdPlan:
     block_d: int  # the preprocess kernel's padded head dim
     splits: int
     configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
+    binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
 
 
 # Like the forward's launch plans: a training step repeats a few dozen layouts, and the host work
@@ -426,7 +428,8 @@ def flash_attn_bwd(
     Nk = k.shape[2]
     assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and lse.is_contiguous(), "lse must be contiguous fp32 (B, H, Nq)"
-    key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), do.data_ptr() % 16 != 0, query_splits)
+    key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
+           do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = _bwd_plans.get(key)
     if plan is None:
@@ -456,14 +459,14 @@ def flash_attn_bwd(
         return (n_blocks * splits, *bh)
 
     with on_device(q):
-        _bwd_preprocess[launch_grid(Nq, BH, _PREPROCESS_BLOCK_M)](
-            out, do, delta, *out.stride(), *do.stride(), H, BH, Nq,
-            HEAD_DIM=D, BLOCK_D=plan.block_d, BLOCK_M=_PREPROCESS_BLOCK_M,
-        )
+        launch(_bwd_preprocess, launch_grid(Nq, BH, _PREPROCESS_BLOCK_M), (out, do, delta, *out.stride(), *do.stride(), H, BH, Nq),
+               dict(HEAD_DIM=D, BLOCK_D=plan.block_d, BLOCK_M=_PREPROCESS_BLOCK_M), plan.binaries, "preprocess")
         if config is not None:
             dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-            _bwd_dkdv_kernel[dkdv_grid(dkdv_config)](*dkdv_args, **plan.meta, **dkdv_config)
-            _bwd_dq_kernel[launch_grid(Nq, BH, dq_config["BLOCK_M"])](*dq_args, **plan.meta, **dq_config)
+            launch(_bwd_dkdv_kernel, dkdv_grid(dkdv_config), dkdv_args, {**plan.meta, **dkdv_config}, plan.binaries,
+                   ("dkdv", *dkdv_config.items()))
+            launch(_bwd_dq_kernel, launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_args, {**plan.meta, **dq_config}, plan.binaries,
+                   ("dq", *dq_config.items()))
         else:
             _dkdv_tuned[dkdv_grid](*dkdv_args, **plan.meta)
             _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **plan.meta)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -21,6 +22,8 @@ try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelera
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
+
+logger = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634  # 1/ln 2: exp(x) = exp2(x * LOG2E)
 MAX_HEAD_DIM = 256
@@ -376,8 +379,41 @@ def vector_align(*tensors: torch.Tensor) -> int:
 
 
 def on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device, not the tensors': make ``t``'s current."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device, not the tensors': make ``t``'s current (only
+    when it is not: switching costs microseconds a call on the host)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+# Triton >= 3.3 launches a compiled binary given every parameter's value, constexprs included
+# (``CompiledKernel[grid](*args)``); older versions take another list, and keep the JIT path.
+_DIRECT_LAUNCH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
+
+
+def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
+    """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
+    arguments, specializing on them, compiling or finding the binary), later straight to that binary.
+
+    The JIT's binding and specialization cost tens of microseconds a launch on the host, as long as
+    a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
+    integer argument (sizes, strides), each pointer's 16-byte alignment, and the constexprs; the
+    launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
+    parameters; ``consts`` its constexprs and launch options.
+    """
+    global _DIRECT_LAUNCH
+    binary = binaries.get(key)
+    if binary is not None:
+        try:
+            binary[grid](*args, *(consts[name] for name in kernel.arg_names[len(args):]))
+            return
+        except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
+            _DIRECT_LAUNCH = False
+            binaries.clear()
+            logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(e).__name__, e)
+    compiled = kernel[grid](*args, **consts)
+    if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
+        binaries[key] = compiled
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:
@@ -451,6 +487,7 @@ class _Plan:
 
     meta: dict
     config: dict | None = None  # the autotuner's pick, once it has tuned this shape
+    binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
 
 
 # (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
@@ -461,9 +498,11 @@ _MAX_PLANS = 4096
 
 
 def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple:
-    mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device)
-    misaligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 != 0
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, misaligned,
+    """Everything a launch's constexprs and Triton's specialization depend on (see :func:`launch`);
+    the outputs are allocated here, like q, so q's layout fixes theirs."""
+    mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device, mask.data_ptr() % 16)
+    alignment = (q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, alignment,
             mask_layout, scale > 0, return_lse, split_head_dim, kv_tma)
 
 
@@ -515,8 +554,9 @@ def flash_attn_fwd(
     with on_device(q):
         if config is not None:
             args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta, config["BLOCK_N"]))
-            grid = launch_grid(Nq, BH, config["BLOCK_M"])
-            _attn_fwd_kernel[grid](*args, **plan.meta, **{"EVEN_N": Nk % config["BLOCK_N"] == 0, **config})
+            consts = {**plan.meta, "EVEN_N": Nk % config["BLOCK_N"] == 0, **config}
+            launch(_attn_fwd_kernel, launch_grid(Nq, BH, config["BLOCK_M"]), args, consts, plan.binaries,
+                   tuple(config.items()))
         else:
             args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta))  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
@@ -526,4 +566,4 @@ def flash_attn_fwd(
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "kv_operands", "kv_tma_ok", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "kv_operands", "kv_tma_ok", "launch", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

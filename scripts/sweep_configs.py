@@ -10,8 +10,9 @@
 - Kernel time only: CUDA-graph replay (``do_bench_cudagraph``), so that launch overhead, which
   every config pays alike, does not blur the ranking. Inputs are laid out as diffusers' processors
   pass them: (B, N, H, D) memory viewed as (B, H, N, D).
-- Host overhead: microseconds per call of each layer (public call, autotuned launcher, fixed-config
-  launcher, bare Triton launch, PyTorch SDPA) at a tiny shape, where the GPU waits on the host.
+- Host overhead: microseconds per call of each layer (public call, launcher with its launch plan,
+  fixed-config launcher, a launch through Triton's JIT, PyTorch SDPA, the backward launcher) at a
+  tiny shape, where the GPU waits on the host.
 
 Compilation dominates a cold run, so ``--jobs`` worker processes compile every variant first, into
 Triton's on-disk cache, and the timing process then loads them.
@@ -153,12 +154,15 @@ def host_overhead_us(reps: int = 2000) -> dict[str, float]:
     meta = fwd_meta(q, k, v, out, scale, None, False, None)
     args = fwd_args(q, k, v, None, out, None, scale, kv_operands(k, v, meta, cfg["BLOCK_N"]))
     grid = launch_grid(64, 1, 64)
+    o, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
+    do = torch.randn_like(q)
     impls = {
         "sdpatch.attention": lambda: sdpatch.attention(q, k, v),
-        "flash_attn_fwd (autotuned)": lambda: flash_attn_fwd(q, k, v, scale),
+        "flash_attn_fwd (plan)": lambda: flash_attn_fwd(q, k, v, scale),
         "flash_attn_fwd (config)": lambda: flash_attn_fwd(q, k, v, scale, config=cfg),
-        "bare triton launch": lambda: _attn_fwd_kernel[grid](*args, **meta, **cfg, EVEN_N=True),
+        "triton JIT launch": lambda: _attn_fwd_kernel[grid](*args, **meta, **cfg, EVEN_N=True),
         "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v),
+        "flash_attn_bwd (three kernels)": lambda: flash_attn_bwd(do, q, k, v, o, lse, scale),
     }
     result = {}
     for name, f in impls.items():
@@ -187,8 +191,10 @@ def main() -> None:
 
     t0 = time.perf_counter()
     chunks = [todo[i :: args.jobs] for i in range(args.jobs)]
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        failures = [f for part in pool.map(_compile_worker, chunks) for f in part]
+    failures = []
+    if todo:  # --only none: the host-overhead figures alone
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            failures = [f for part in pool.map(_compile_worker, chunks) for f in part]
     print(f"compiled {len(todo)} variants in {time.perf_counter() - t0:.0f} s; {len(failures)} failed", flush=True)
     for f in failures:
         print("  failed:", f)

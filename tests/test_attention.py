@@ -332,3 +332,48 @@ def test_launch_plans_follow_the_layout():
             assert rel_err(out, attention_ref(q, q, q, scale=0.1)) <= RTOL[torch.float32]
     plans = [flash_fwd._plans[flash_fwd._plan_key(q, q, q, None, 0.1, False, None, None)] for q in (aligned, shifted)]
     assert plans[0].meta["ALIGN"] == 4 and plans[1].meta["ALIGN"] == 1
+
+
+def test_launch_goes_to_the_binary_after_the_first_call(monkeypatch):
+    """After its first launch of a key through Triton's JIT, :func:`launch` calls the compiled
+    binary with every parameter in order, constexprs included; a launcher that refuses that
+    list turns direct launches off and goes back to the JIT."""
+    from sdpatch.kernels import flash_fwd
+
+    calls = []
+
+    class Binary:
+        def __init__(self, refuse=False):
+            self.refuse = refuse
+
+        def __getitem__(self, grid):
+            def run(*args):
+                if self.refuse:
+                    raise TypeError("launcher wants other arguments")
+                calls.append(("binary", grid, args))
+            return run
+
+    class Kernel:
+        arg_names = ["X", "N", "BLOCK", "FLAG"]
+
+        def __init__(self, binary):
+            self.binary = binary
+
+        def __getitem__(self, grid):
+            def run(*args, **consts):
+                calls.append(("jit", grid, args, consts))
+                return self.binary
+            return run
+
+    monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
+    monkeypatch.setattr(flash_fwd, "_DIRECT_LAUNCH", True)
+    binaries = {}
+    consts = {"FLAG": True, "BLOCK": 16, "num_warps": 4}
+    for _ in range(2):
+        flash_fwd.launch(Kernel(Binary()), (2, 1, 1), ("x", 7), consts, binaries, "key")
+    assert calls == [("jit", (2, 1, 1), ("x", 7), consts), ("binary", (2, 1, 1), ("x", 7, 16, True))]
+
+    calls.clear()
+    refusing = {"key": Binary(refuse=True)}
+    flash_fwd.launch(Kernel(Binary()), (1, 1, 1), ("x", 7), consts, refusing, "key")
+    assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not flash_fwd._DIRECT_LAUNCH
