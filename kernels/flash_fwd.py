@@ -3,7 +3,8 @@
 The (Nq, Nk) score matrix lives only in registers, one (BLOCK_M, BLOCK_N) tile at a time.
 Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two tiles inside the kernel,
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
-through zero strides.
+through zero strides. On Hopper, K and V tiles of self-attention come through TMA descriptors
+(:func:`kv_operands`); elsewhere, and on 77-key cross-attention, through pointer loads.
 """
 
 from __future__ import annotations
