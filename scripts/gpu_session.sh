@@ -5,7 +5,8 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check sanitize sweep bench unet profile compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
-# sweep=ONLY and bench=ONLY pass --only ONLY to those steps (comma-separated substrings of case names).
+# sweep=ONLY and bench=ONLY pass --only ONLY to those steps (comma-separated substrings of case names);
+# profile=PRESET profiles that model's UNet (default sd15).
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -53,7 +54,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
       done ;;
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
-    profile) $t python3 "$REPO/scripts/profile_unet.py" > "$W/profile_unet.log" 2>&1 || rc=$? ;;
+    profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
