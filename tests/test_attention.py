@@ -377,3 +377,16 @@ def test_launch_goes_to_the_binary_after_the_first_call(monkeypatch):
     refusing = {"key": Binary(refuse=True)}
     flash_fwd.launch(Kernel(Binary()), (1, 1, 1), ("x", 7), consts, refusing, "key")
     assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not flash_fwd._DIRECT_LAUNCH
+
+
+@pytest.mark.parametrize("n_k,expect", [(256, True), (129, True), (128, False), (77, False)], ids=lambda x: str(x))
+def test_kv_tma_by_default_above_128_keys(monkeypatch, n_k, expect):
+    """Where the GPU allows TMA, the launcher takes it for self-attention and leaves 77-key
+    cross-attention on pointer loads (measured: no faster there, and descriptors cost host time)."""
+    from sdpatch.kernels import flash_fwd
+
+    monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
+    monkeypatch.setattr(flash_fwd, "kv_tma_ok", lambda k, v: True)
+    q, k, v = make_qkv(1, 2, 64, n_k, 64, torch.float16, "bnhd")
+    assert flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.125, None, False, None)["KV_TMA"] is expect
+    assert flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.125, None, False, None, kv_tma=False)["KV_TMA"] is False
