@@ -22,18 +22,18 @@ import triton
 import triton.language as tl
 
 from .flash_fwd import (
-    ADDITIVE_MASK,
     LOG2E,
     MAX_HEAD_DIM,
-    _MAX_PLANS,
     _batch_head,
     _config_kwargs,
     _masked_scores,
     _plan_key,
-    launch,
     autotune_options,
+    cached_plan,
     cdiv,
     interpreting,
+    kernel_meta,
+    launch,
     launch_grid,
     mask_kind,
     on_device,
@@ -386,17 +386,7 @@ def _bwd_plan(do, q, k, v, grads, mask, scale, split_head_dim, query_splits) -> 
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
     splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
-    meta = dict(
-        HEAD_DIM=D,
-        BLOCK_DA=block_da,
-        BLOCK_DB=block_db,
-        MASK_KIND=kind,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        ALIGN=align,
-        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
-    )
-    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits)
+    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits)
 
 
 def flash_attn_bwd(
@@ -431,11 +421,7 @@ def flash_attn_bwd(
     key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
-    plan = _bwd_plans.get(key)
-    if plan is None:
-        if len(_bwd_plans) >= _MAX_PLANS:
-            _bwd_plans.clear()
-        plan = _bwd_plans[key] = _bwd_plan(do, q, k, v, (dq, dk, dv), mask, scale, split_head_dim, query_splits)
+    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     if mask is not None:
         mask = mask.expand(B, H, Nq, Nk)
     BH, splits = B * H, plan.splits
