@@ -1,12 +1,15 @@
 """FlashAttention-2-style backward kernels: dQ, dK, dV by recomputing scores block by block.
 
-Only O and the base-2 log-sum-exp from the forward pass are kept. Three launches:
+Only O and the base-2 log-sum-exp from the forward pass are kept. Two launches (three with few keys):
 
-1. ``_bwd_preprocess``: delta = rowsum(dO * O), one fp32 number per query row.
+1. ``_bwd_dq_kernel``: one program per query block; computes delta = rowsum(dO * O) for its rows
+   (stored for step 2), then loops over key blocks and accumulates dQ.
 2. ``_bwd_dkdv_kernel``: one program per key block; loops over query blocks, accumulates dK, dV.
    With few keys (77 text tokens) several programs share a key block's query blocks and write fp32
-   partial sums, which the launcher adds.
-3. ``_bwd_dq_kernel``: one program per query block; loops over key blocks, accumulates dQ.
+   partial sums, which ``_bwd_sum_splits`` adds.
+
+Each launch costs the host as much as a whole kernel at 77 keys: v2's separate delta kernel and
+four PyTorch ops adding the partial sums made 7 launches there, now 3.
 
 Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
 deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
@@ -41,32 +44,6 @@ from .flash_fwd import (
     tiling,
     vector_align,
 )
-
-
-@triton.jit
-def _bwd_preprocess(
-    Out, DO, Delta,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H, BH, N_Q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh, off_b, off_h = _batch_head(H)
-    if pid_bh >= BH:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)
-    valid = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
-                mask=valid, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=valid, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
 @triton.jit
@@ -216,12 +193,13 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, Mask, DO, DQ, Lse, Delta,
+    Q, K, V, Mask, DO, Out, DQ, Lse, Delta,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, BH, N_Q, N_K,
     sm_scale,
@@ -249,6 +227,7 @@ def _bwd_dq_kernel(
 
     q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
     do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(rows * stride_dom, ALIGN)
+    o_rows = Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN) + tl.multiple_of(rows * stride_om, ALIGN)
     k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
     v_cols = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
     if MASK_KIND != 0:
@@ -258,15 +237,18 @@ def _bwd_dq_kernel(
     da_valid = offs_da < HEAD_DIM
     qa = _load_rows(q_rows, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
     doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
+    # delta = rowsum(dO * O), here rather than in a launch of its own; the dK/dV kernel reads it.
+    delta = tl.sum(doa.to(tl.float32) * _load_rows(o_rows, stride_od, offs_da, da_valid, m_valid, False).to(tl.float32), 1)
     dqa = tl.zeros([BLOCK_M, BLOCK_DA], dtype=tl.float32)
     if BLOCK_DB > 0:
         offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
         db_valid = offs_db < HEAD_DIM
         qb = _load_rows(q_rows, stride_qd, offs_db, db_valid, m_valid, DOT_FP32)
         dob = _load_rows(do_rows, stride_dod, offs_db, db_valid, m_valid, DOT_FP32)
+        delta += tl.sum(dob.to(tl.float32) * _load_rows(o_rows, stride_od, offs_db, db_valid, m_valid, False).to(tl.float32), 1)
         dqb = tl.zeros([BLOCK_M, BLOCK_DB], dtype=tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, delta, mask=m_valid)
     lse = tl.load(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, mask=m_valid, other=float("inf"))
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * N_Q + offs_m, mask=m_valid, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
     for start_n in range(0, N_K, BLOCK_N):
@@ -307,6 +289,40 @@ def _bwd_dq_kernel(
     if BLOCK_DB > 0:
         tl.store(dq_rows[:, None] + offs_db[None, :] * stride_dqd, (dqb * sm_scale).to(DQ.dtype.element_ty),
                  mask=m_valid[:, None] & db_valid[None, :])
+
+
+@triton.jit
+def _bwd_sum_splits(
+    DKP, DVP, DK, DV,
+    stride_pb, stride_ph, stride_pn,  # the fp32 partial sums: each split a contiguous (B, H, N_K, D)
+    stride_split,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, BH, N_K,
+    n_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """dK and dV as the sums of the query splits' partials, added in split order (deterministic)."""
+    pid_n = tl.program_id(0)
+    pid_bh, off_b, off_h = _batch_head(H)
+    if pid_bh >= BH:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_n < N_K)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_n.to(tl.int64)
+    part = off_b * stride_pb + off_h * stride_ph + rows[:, None] * stride_pn + offs_d[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for split in range(n_splits):
+        dk += tl.load(DKP + split * stride_split + part, mask=valid, other=0.0)
+        dv += tl.load(DVP + split * stride_split + part, mask=valid, other=0.0)
+    tl.store(DK + off_b * stride_dkb + off_h * stride_dkh + rows[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=valid)
+    tl.store(DV + off_b * stride_dvb + off_h * stride_dvh + rows[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=valid)
 
 
 def _dkdv_configs():
@@ -356,7 +372,7 @@ def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> i
 
 
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-_PREPROCESS_BLOCK_M = 64
+_SUM_BLOCK_N = 32  # key rows per program of the partial-sum kernel: memory-bound, a few us
 
 
 @dataclass(slots=True)
@@ -364,7 +380,7 @@ class _BwdPlan:
     """What the backward launches of one input layout need besides the tensors: found once."""
 
     meta: dict
-    block_d: int  # the preprocess kernel's padded head dim
+    block_d: int  # the partial-sum kernel's padded head dim
     splits: int
     configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
@@ -376,13 +392,13 @@ class _BwdPlan:
 _bwd_plans: dict[tuple, _BwdPlan] = {}
 
 
-def _bwd_plan(do, q, k, v, grads, mask, scale, split_head_dim, query_splits) -> _BwdPlan:
+def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits) -> _BwdPlan:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert do.shape == q.shape, f"dO {tuple(do.shape)} must match q {tuple(q.shape)}"
     assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
     kind = mask_kind(mask)
-    align = vector_align(q, k, v, do, *grads)
+    align = vector_align(q, k, v, do, out, *grads)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
     splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
@@ -421,13 +437,14 @@ def flash_attn_bwd(
     key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
-    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
+    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     if mask is not None:
         mask = mask.expand(B, H, Nq, Nk)
     BH, splits = B * H, plan.splits
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    if splits > 1:  # fp32 partial sums, one per split, added below
-        dk_out, dv_out = (torch.empty((splits, B, H, Nk, D), device=q.device, dtype=torch.float32) for _ in range(2))
+    if splits > 1:  # fp32 partial sums, one per split, added by _bwd_sum_splits
+        partials = torch.empty((2, splits, B, H, Nk, D), device=q.device, dtype=torch.float32)
+        dk_out, dv_out = partials
         dkdv_strides = (*dk_out[0].stride(), *dv_out[0].stride(), dk_out.stride(0))
     else:
         dk_out, dv_out = dk, dv
@@ -436,8 +453,9 @@ def flash_attn_bwd(
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
     dims = (H, BH, Nq, Nk)
     scales = (scale, scale * LOG2E)
+    # dQ first: it also computes delta, which the dK/dV kernel reads.
+    dq_args = (q, k, v, mask, do, out, dq, lse, delta, *common, *out.stride(), *dq.stride(), *dims, *scales)
     dkdv_args = (q, k, v, mask, do, dk_out, dv_out, lse, delta, *common, *dkdv_strides, *dims, splits, *scales)
-    dq_args = (q, k, v, mask, do, dq, lse, delta, *common, *dq.stride(), *dims, *scales)
     config = config or plan.configs or (_INTERPRET_CONFIG if interpreting() else None)
 
     def dkdv_grid(META):
@@ -445,20 +463,19 @@ def flash_attn_bwd(
         return (n_blocks * splits, *bh)
 
     with on_device(q):
-        launch(_bwd_preprocess, launch_grid(Nq, BH, _PREPROCESS_BLOCK_M), (out, do, delta, *out.stride(), *do.stride(), H, BH, Nq),
-               dict(HEAD_DIM=D, BLOCK_D=plan.block_d, BLOCK_M=_PREPROCESS_BLOCK_M), plan.binaries, "preprocess")
         if config is not None:
             dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-            launch(_bwd_dkdv_kernel, dkdv_grid(dkdv_config), dkdv_args, {**plan.meta, **dkdv_config}, plan.binaries,
-                   ("dkdv", *dkdv_config.items()))
             launch(_bwd_dq_kernel, launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_args, {**plan.meta, **dq_config}, plan.binaries,
                    ("dq", *dq_config.items()))
+            launch(_bwd_dkdv_kernel, dkdv_grid(dkdv_config), dkdv_args, {**plan.meta, **dkdv_config}, plan.binaries,
+                   ("dkdv", *dkdv_config.items()))
         else:
-            _dkdv_tuned[dkdv_grid](*dkdv_args, **plan.meta)
             _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **plan.meta)
+            _dkdv_tuned[dkdv_grid](*dkdv_args, **plan.meta)
             # Later calls of this layout launch the tuned tiles directly.
             plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
-    if splits > 1:
-        dk.copy_(dk_out.sum(0))
-        dv.copy_(dv_out.sum(0))
+        if splits > 1:
+            sum_args = (dk_out, dv_out, dk, dv, *dk_out.stride()[1:4], dk_out.stride(0), *dk.stride(), *dv.stride(), H, BH, Nk, splits)
+            launch(_bwd_sum_splits, launch_grid(Nk, BH, _SUM_BLOCK_N), sum_args,
+                   dict(HEAD_DIM=D, BLOCK_N=_SUM_BLOCK_N, BLOCK_D=plan.block_d), plan.binaries, "sum")
     return dq, dk, dv

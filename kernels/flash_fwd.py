@@ -251,6 +251,14 @@ def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]
 
 
+# TMA loads measured +1 to +9 % kernel time on self-attention, nothing on 77 keys (H200, triton
+# 3.6), but building the descriptors costs 23 us of host time per call (81 against 58 us), and SD's
+# UNets at 512-1024 px are host-bound on the H200 (SDXL 1024²: 42 ms of kernels in a 104 ms call).
+# So TMA only where ~5 % of the kernel outweighs that: kernels of 2e11 FLOP (~0.6 ms) and more,
+# i.e. 16,384 tokens and up at SD head dims.
+TMA_MIN_FLOP = 2e11
+
+
 def kv_tma_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether K and V tiles can come through TMA descriptors: triton >= 3.4, a Hopper or newer GPU
     (or the interpreter), 16-bit data, and the descriptor's alignment (16-byte base and strides)."""
@@ -403,10 +411,11 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     parameters; ``consts`` its constexprs and launch options.
     """
     global _DIRECT_LAUNCH
-    binary = binaries.get(key)
-    if binary is not None:
+    entry = binaries.get(key)
+    if entry is not None:
+        binary, const_values = entry
         try:
-            binary[grid](*args, *(consts[name] for name in kernel.arg_names[len(args):]))
+            binary[grid](*args, *const_values)
             return
         except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
             _DIRECT_LAUNCH = False
@@ -414,7 +423,8 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
             logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(e).__name__, e)
     compiled = kernel[grid](*args, **consts)
     if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
-        binaries[key] = compiled
+        # The binary takes the constexprs too, in the kernel's parameter order.
+        binaries[key] = (compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:
@@ -452,9 +462,7 @@ def fwd_meta(
     tma_ok = kv_tma_ok(k, v)
     assert tma_ok or not kv_tma, "kv_tma needs triton >= 3.4, a Hopper GPU, 16-bit data and 16-byte-aligned strides"
     if kv_tma is None:
-        # TMA loads measured +1 to +9 % on self-attention (H200, triton 3.6) and nothing on 77 keys,
-        # where building the descriptors would only add host time to a 20 us kernel.
-        kv_tma = not interpreting() and Nk > 128
+        kv_tma = not interpreting() and 4 * B * H * Nq * Nk * D >= TMA_MIN_FLOP
     return dict(**kernel_meta(q, block_da, block_db, kind, align, scale), STORE_LSE=return_lse, KV_TMA=kv_tma and tma_ok)
 
 
@@ -474,15 +482,15 @@ def kernel_meta(q: torch.Tensor, block_da: int, block_db: int, kind: int, align:
 
 def fwd_args(q, k, v, mask, out, lse, scale, kv: tuple | None = None) -> tuple:
     """The kernel's runtime arguments, in its order; ``kv``: K, V, KB, VB from :func:`kv_operands`."""
+    return (q, *(kv or (k, v, None, None)), mask, out, lse, *fwd_scalars(q, k, v, mask, out, scale))
+
+
+def fwd_scalars(q, k, v, mask, out, scale) -> tuple:
+    """The kernel's integer and float arguments (strides, sizes, scale): fixed by a launch plan's key."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
-    return (
-        q, *(kv or (k, v, None, None)), mask, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
-        H, B * H, Nq, Nk,
-        scale * LOG2E,
-    )
+    return (*q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), H, B * H, Nq, Nk, scale * LOG2E)
 
 
 @dataclass(slots=True)
@@ -492,6 +500,7 @@ class _Plan:
     meta: dict
     config: dict | None = None  # the autotuner's pick, once it has tuned this shape
     binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
+    tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
 
 
 # (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
@@ -517,7 +526,7 @@ def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple
     mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device, mask.data_ptr() % 16)
     alignment = (q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, alignment,
-            mask_layout, scale > 0, return_lse, split_head_dim, kv_tma)
+            mask_layout, scale, return_lse, split_head_dim, kv_tma)
 
 
 def _config_kwargs(config: triton.Config) -> dict:
@@ -556,19 +565,30 @@ def flash_attn_fwd(
     """
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
     plan = cached_plan(_plans, _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma),
-                       lambda: _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma)))
+                       lambda: _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma),
+                                     _INTERPRET_CONFIG if interpreting() else None))
     Nq, Nk, BH = q.shape[2], k.shape[2], q.shape[0] * q.shape[1]
 
-    config = config or plan.config or (_INTERPRET_CONFIG if interpreting() else None)
+    tuned = config is None and plan.tuned
     with on_device(q):
+        if tuned:  # the common case: a layout seen before, its launch worked out then
+            grid, scalars, consts, key = tuned
+            kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
+            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            return out, lse
+        config = config or plan.config
+        scalars = fwd_scalars(q, k, v, mask, out, scale)
         if config is not None:
-            args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta, config["BLOCK_N"]))
+            kv = kv_operands(k, v, plan.meta, config["BLOCK_N"])
             consts = {**plan.meta, "EVEN_N": Nk % config["BLOCK_N"] == 0, **config}
-            launch(_attn_fwd_kernel, launch_grid(Nq, BH, config["BLOCK_M"]), args, consts, plan.binaries,
-                   tuple(config.items()))
+            grid, key = launch_grid(Nq, BH, config["BLOCK_M"]), tuple(config.items())
+            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            if config is plan.config:
+                plan.tuned = (grid, scalars, consts, key)
         else:
-            args = fwd_args(q, k, v, mask, out, lse, scale, kv_operands(k, v, plan.meta))  # tiles set per config
+            args = (q, *kv_operands(k, v, plan.meta), mask, out, lse, *scalars)  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
             _attn_fwd_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
@@ -576,4 +596,4 @@ def flash_attn_fwd(
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "kv_operands", "kv_tma_ok", "launch", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "fwd_scalars", "kv_operands", "kv_tma_ok", "launch", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]

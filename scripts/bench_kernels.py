@@ -10,7 +10,8 @@ PyTorch SDPA pinned to cuDNN, flash and efficient, and naive matmul + softmax wh
 It reports TFLOP/s (4·B·H·Nq·Nk·D forward, 2.5× that backward, with the true D), the ratio to
 cuDNN, the relative error of sdpatch against a float64 reference, the extra peak memory, the
 first-call latency of sdpatch (compile and autotune included), and kernel time alone, by CUDA-graph
-replay, for sdpatch's kernels and cuDNN's forward: at 77 keys or 1024 tokens a call's host work
+replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it) and
+cuDNN's forward: at 77 keys or 1024 tokens a call's host work
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 """
 
@@ -29,7 +30,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
 from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
-from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, tuned_config
+from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
 from sdpatch.reference import attention_ref
 
 from _bench import Case, environment, peak_over
@@ -123,6 +124,9 @@ def run_case(c: Case) -> Row:
     if c.sdpatch_backend == "triton" and head_dim_parts(c.D)[1] and not c.backward:
         # The head dim tiled as one padded power of two, to measure what the two-part tiling buys.
         impls["one tile"] = lambda: flash_attn_fwd(q, k, v, scale, split_head_dim=False)[0]
+    if c.sdpatch_backend == "triton" and not c.backward and c.Nk > 128 and kv_tma_ok(k, v):
+        # K and V through TMA, forced: by default only the longest kernels take it (host cost).
+        impls["kv_tma"] = lambda: flash_attn_fwd(q, k, v, scale, kv_tma=True)[0]
     for name, backend in SDPA.items():
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
@@ -180,6 +184,8 @@ def run_case(c: Case) -> Row:
     if c.sdpatch_backend == "triton":
         row.tuned_config = str(tuned_config(q, k, v, scale))
         measure_graph(row, "sdpatch", ours, flops)
+        if "kv_tma" in impls:
+            measure_graph(row, "kv_tma", impls["kv_tma"], flops)
         measure_graph(row, "cudnn", impls["cudnn"], flops)
     n = min(REF_ROWS, c.Nq)
     ref = attention_ref(q[:1, :1, :n], k[:1, :1], v[:1, :1])
@@ -192,8 +198,8 @@ def fmt(x, spec=".0f"):
 
 
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch.attention", "one tile", "cudnn", "flash", "efficient", "naive"]
-    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / cudnn | rel err"
+    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
+    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn | rel err"
             " | extra MiB (sdpatch / naive) | first call s |")
     lines = [head, "|" + "---|" * (len(impls) + 7)]
     for r in rows:
@@ -203,7 +209,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.case.name} | " + " | ".join(fmt(t.get(i)) for i in impls)
             + f" | {ratio('cudnn')} | {ratio('flash')}"
-            + f" | {fmt(r.graph_tflops.get('sdpatch'))} / {fmt(r.graph_tflops.get('cudnn'))} | {fmt(r.rel_err, '.1e')}"
+            + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn'))} | {fmt(r.rel_err, '.1e')}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')} |"
         )
     return "\n".join(lines)

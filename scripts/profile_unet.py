@@ -10,14 +10,15 @@ kernels and the rest, and reports the CPU time per call, to tell kernel time fro
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import sdpatch
 from sdpatch.models import build_preset
 
-from _bench import unet_inputs
+from _bench import alternating_median_ms, unet_inputs, use_variant
 
 ATTENTION_KERNELS = ("attn", "fmha", "flash", "cudnn", "sdpa", "softmax")
 
@@ -36,9 +37,7 @@ def main() -> None:
 def profile_size(unet, preset: str, size: int) -> None:
     kw = unet_inputs(unet, 2, size, torch.float16)
     for variant in ("stock", "auto"):
-        sdpatch.unpatch_unet(unet)
-        if variant != "stock":
-            sdpatch.patch_unet(unet, backend=variant)
+        use_variant(unet, variant)
         for _ in range(3):  # compile, autotune, warm caches
             unet(**kw)
         torch.cuda.synchronize()
@@ -50,8 +49,24 @@ def profile_size(unet, preset: str, size: int) -> None:
         total = sum(e.self_device_time_total for e in events) / 5 / 1e3
         attn = sum(e.self_device_time_total for e in events if any(s in e.key.lower() for s in ATTENTION_KERNELS)) / 5 / 1e3
         cpu = max(e.cpu_time_total for e in prof.key_averages()) / 5 / 1e3
-        print(f"{preset} {size}² {variant}: GPU {total:.1f} ms per call, attention kernels {attn:.1f} ms, CPU {cpu:.1f} ms")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+        launches = sum(e.count for e in events) / 5
+        print(f"{preset} {size}² {variant}: GPU {total:.1f} ms per call, attention kernels {attn:.1f} ms, "
+              f"{launches:.0f} kernels, CPU {cpu:.1f} ms")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    # Outside the profiler: wall ms per call (variants alternating), and the host's time to enqueue
+    # one call; where enqueueing takes as long as the call, the GPU waits for the host.
+    call = lambda: unet(**kw)  # noqa: E731
+    ms = alternating_median_ms(unet, ["stock", "auto"], call)
+    for variant in ("stock", "auto"):
+        use_variant(unet, variant)
+        host = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        print(f"{preset} {size}² {variant}: wall {ms[variant]:.1f} ms per call, host enqueue {statistics.median(host):.1f} ms")
 
 
 if __name__ == "__main__":

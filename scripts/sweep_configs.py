@@ -21,9 +21,12 @@ Triton's on-disk cache, and the timing process then loads them.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
 import multiprocessing as mp
+import pstats
 import time
 
 import torch
@@ -156,8 +159,12 @@ def host_overhead_us(reps: int = 2000) -> dict[str, float]:
     grid = launch_grid(64, 1, 64)
     o, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
     do = torch.randn_like(q)
+    # 256 keys, where TMA descriptors can carry K and V: built on the host each call.
+    k2, v2 = (torch.randn(1, 256, 1, 40, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(2))
     impls = {
         "sdpatch.attention": lambda: sdpatch.attention(q, k, v),
+        "flash_attn_fwd (256 keys)": lambda: flash_attn_fwd(q, k2, v2, scale),
+        "flash_attn_fwd (256 keys, kv_tma=True)": lambda: flash_attn_fwd(q, k2, v2, scale, kv_tma=True),
         "flash_attn_fwd (plan)": lambda: flash_attn_fwd(q, k, v, scale),
         "flash_attn_fwd (config)": lambda: flash_attn_fwd(q, k, v, scale, config=cfg),
         "triton JIT launch": lambda: _attn_fwd_kernel[grid](*args, **meta, **cfg, EVEN_N=True),
@@ -174,6 +181,15 @@ def host_overhead_us(reps: int = 2000) -> dict[str, float]:
             f()
         torch.cuda.synchronize()
         result[name] = (time.perf_counter() - t0) / reps * 1e6
+    # Where a call's host time goes, by function (the profiler's own cost inflates the small ones).
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        sdpatch.attention(q, k, v)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue(), flush=True)
     return result
 
 
@@ -236,7 +252,7 @@ def main() -> None:
 
     overhead.update(host_overhead_us())
     for name, us in overhead.items():
-        print(f"host overhead {name:32s} {us:6.1f} us/call")
+        print(f"host overhead {name:42s} {us:6.1f} us/call")
     save()
 
 

@@ -69,6 +69,12 @@ class Fallback:
     budget: int
 
 
+# CUDA calls' backend choices by (device, dtype, head dim, backend). Nothing a choice there depends
+# on changes while the process runs, except a Triton failure, which clears this; deciding anew cost
+# microseconds of host time per call, and SD's UNets at 512-1024 px are host-bound on an H200.
+_cuda_choices: dict[tuple, BackendChoice] = {}
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_import_error() -> str | None:
     try:
@@ -118,7 +124,6 @@ def choose_backend(
     device: torch.device | str,
     dtype: torch.dtype,
     head_dim: int,
-    needs_grad: bool = False,
     backend: str = "auto",
 ) -> BackendChoice:
     """The one place that decides which backend a call gets, and why.
@@ -307,7 +312,12 @@ def attention(
     """
     mask, scale = _validate(q, k, v, attn_mask, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], needs_grad=needs_grad, backend=backend)
+    key = (q.device, q.dtype, q.shape[-1], backend) if q.is_cuda else None
+    choice = _cuda_choices.get(key) if key else None
+    if choice is None:
+        choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)
+        if key:
+            _cuda_choices[key] = choice
     if q.numel() == 0:  # B, H or Nq is 0: the result is well defined and empty
         return q * 0
     try:
@@ -328,6 +338,7 @@ def attention(
         # Triton's CompilationError starts with the source location; its error_message says what failed.
         reason = f"{type(err).__name__}: {getattr(err, 'error_message', None) or first_line(err)}"
         _triton_failures[(str(q.device), q.dtype, q.shape[-1])] = reason
+        _cuda_choices.clear()
         budget = chunk_budget
         if backend == "triton":
             raise BackendUnavailableError(
@@ -372,5 +383,4 @@ def explain(
 ) -> BackendChoice:
     """Which backend :func:`attention` gives this call, and why, without running it."""
     _validate(q, k, v, attn_mask, None)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], needs_grad=needs_grad, backend=backend)
+    return choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)

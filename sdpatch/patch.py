@@ -191,7 +191,6 @@ def patch_unet(
                 device=_run_device(device),
                 dtype=dtype,
                 head_dim=attn.inner_dim // attn.heads,
-                needs_grad=attn.training,
                 backend=backend,
             )
         except BackendUnavailableError as err:
@@ -239,15 +238,9 @@ def patch_report(target: object, *, include_vae: bool = True) -> PatchReport:
             rows.append(LayerRow(name, kind, attn.heads, head_dim, None, None, False, kept, reason))
             continue
         call = proc.last_call
-        if call is None:
-            device, dtype = _weights(attn)
-            needs_grad = attn.training
-        else:
-            device, dtype, needs_grad = call.device, call.dtype, call.needs_grad
+        device, dtype = _weights(attn) if call is None else (call.device, call.dtype)
         try:
-            choice = choose_backend(
-                device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, backend=proc.backend
-            )
+            choice = choose_backend(device=device, dtype=dtype, head_dim=head_dim, backend=proc.backend)
             backend, reason = choice.name, choice.reason
         except BackendUnavailableError as err:
             backend, reason = proc.backend, f"cannot run on {device}: {err}"

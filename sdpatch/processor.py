@@ -24,7 +24,6 @@ class LastCall(NamedTuple):
     nk: int
     dtype: torch.dtype
     device: torch.device
-    needs_grad: bool
 
 
 class SdpatchAttnProcessor:
@@ -113,8 +112,7 @@ class SdpatchAttnProcessor:
         if attn.norm_k is not None:
             key = attn.norm_k(key)
 
-        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        self.last_call = LastCall(query.shape[2], key.shape[2], query.dtype, query.device, needs_grad)
+        self.last_call = LastCall(query.shape[2], key.shape[2], query.dtype, query.device)
         try:
             hidden_states = attention(
                 query,

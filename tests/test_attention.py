@@ -334,6 +334,23 @@ def test_launch_plans_follow_the_layout():
     assert plans[0].meta["ALIGN"] == 4 and plans[1].meta["ALIGN"] == 1
 
 
+def test_a_layout_seen_before_launches_from_its_plan():
+    """The second call of a layout reuses its plan's launch (grid, scalars, constexprs) with the
+    new call's tensors: new data, the same answers as a first call would give."""
+    from sdpatch.kernels import flash_fwd
+
+    q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
+    flash_fwd.flash_attn_fwd(q, k, v, 0.3, return_lse=True)
+    plan = flash_fwd._plans[flash_fwd._plan_key(q, k, v, None, 0.3, True, None, None)]
+    assert plan.tuned is not None
+    q2, k2, v2 = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=12)
+    assert q2.stride() == q.stride() and k2.stride() == k.stride()
+    out, lse = flash_fwd.flash_attn_fwd(q2, k2, v2, 0.3, return_lse=True)
+    assert rel_err(out, attention_ref(q2, k2, v2, scale=0.3)) <= RTOL[torch.float16]
+    s = (q2.double() @ k2.double().transpose(-1, -2)) * 0.3
+    assert torch.allclose(lse.double(), torch.logsumexp(s, -1) * flash_fwd.LOG2E, atol=1e-3)
+
+
 def test_launch_goes_to_the_binary_after_the_first_call(monkeypatch):
     """After its first launch of a key through Triton's JIT, :func:`launch` calls the compiled
     binary with every parameter in order, constexprs included; a launcher that refuses that
@@ -374,19 +391,22 @@ def test_launch_goes_to_the_binary_after_the_first_call(monkeypatch):
     assert calls == [("jit", (2, 1, 1), ("x", 7), consts), ("binary", (2, 1, 1), ("x", 7, 16, True))]
 
     calls.clear()
-    refusing = {"key": Binary(refuse=True)}
+    refusing = {"key": (Binary(refuse=True), (16, True))}
     flash_fwd.launch(Kernel(Binary()), (1, 1, 1), ("x", 7), consts, refusing, "key")
     assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not flash_fwd._DIRECT_LAUNCH
 
 
-@pytest.mark.parametrize("n_k,expect", [(256, True), (129, True), (128, False), (77, False)], ids=lambda x: str(x))
-def test_kv_tma_by_default_above_128_keys(monkeypatch, n_k, expect):
-    """Where the GPU allows TMA, the launcher takes it for self-attention and leaves 77-key
-    cross-attention on pointer loads (measured: no faster there, and descriptors cost host time)."""
+@pytest.mark.parametrize("n_q,n_k,expect", [(16384, 16384, True), (4096, 4096, False), (65536, 77, False)],
+                         ids=["16384", "4096", "65536x77"])
+def test_kv_tma_by_default_on_long_kernels(monkeypatch, n_q, n_k, expect):
+    """Where the GPU allows TMA, the launcher takes it only where the kernel gains more than the
+    descriptors cost the host: SD 1.5's 16,384-token self-attention, not 4096 tokens or 77 keys."""
     from sdpatch.kernels import flash_fwd
 
     monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
     monkeypatch.setattr(flash_fwd, "kv_tma_ok", lambda k, v: True)
-    q, k, v = make_qkv(1, 2, 64, n_k, 64, torch.float16, "bnhd")
-    assert flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.125, None, False, None)["KV_TMA"] is expect
-    assert flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.125, None, False, None, kv_tma=False)["KV_TMA"] is False
+    # (2, 8, ., ., 40): SD 1.5's first level; expanded views, as only shapes and strides count.
+    q = torch.empty(1, 1, 1, 40, dtype=torch.float16).expand(2, 8, n_q, 40)
+    k = v = torch.empty(1, 1, 1, 40, dtype=torch.float16).expand(2, 8, n_k, 40)
+    assert flash_fwd.fwd_meta(q, k, v, q, 40**-0.5, None, False, None)["KV_TMA"] is expect
+    assert flash_fwd.fwd_meta(q, k, v, q, 40**-0.5, None, False, None, kv_tma=False)["KV_TMA"] is False
