@@ -160,27 +160,28 @@ def choose_backend(
 
 def _validate(q, k, v, attn_mask, scale) -> tuple[torch.Tensor | None, float]:
     """Check the inputs; return the mask as a 4-D view (never expanded) and the scale."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
-    if not (q.device == k.device == v.device):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if not isinstance(t, torch.Tensor))
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == len(ks) == len(vs) == 4):
+        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if t.ndim != 4)
+        raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+    device, dtype = q.device, q.dtype
+    if k.device != device or v.device != device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
+    if k.dtype != dtype or v.dtype != dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _DTYPES:
+    if dtype not in _DTYPES:
         raise TypeError(f"unsupported dtype {q.dtype}; use fp16, bf16, fp32 or fp64")
-    B, H, Nq, D = q.shape
-    if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
-        raise ValueError(
-            f"batch and heads must match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.shape[3] != D or v.shape[3] != D:
-        raise ValueError(f"head dims must match: q {D}, k {k.shape[3]}, v {v.shape[3]}")
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same length, got {k.shape[2]} and {v.shape[2]}")
-    Nk = k.shape[2]
+    B, H, Nq, D = qs
+    if ks[:2] != (B, H) or vs[:2] != (B, H):
+        raise ValueError(f"batch and heads must match: q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)}")
+    if ks[3] != D or vs[3] != D:
+        raise ValueError(f"head dims must match: q {D}, k {ks[3]}, v {vs[3]}")
+    Nk = ks[2]
+    if vs[2] != Nk:
+        raise ValueError(f"k and v must have the same length, got {Nk} and {vs[2]}")
     if Nk == 0:
         raise ValueError("k and v have no keys (Nk = 0): softmax over nothing is undefined")
     if D == 0:

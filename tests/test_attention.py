@@ -281,7 +281,7 @@ def test_kv_tma_needs_aligned_rows():
         pytest.param(4096, 64, 0, False, {(128, 64), (64, 64)}, id="self-D64-pointers"),
         pytest.param(77, 64, 0, True, {(128, 32), (64, 32)}, id="x77-D40-tma"),
         pytest.param(77, 64, 0, False, {(64, 32), (128, 32)}, id="x77-D40-pointers"),
-        pytest.param(1024, 256, 0, False, {(64, 64)}, id="wide-D256"),
+        pytest.param(1024, 256, 0, False, {(64, 64), (64, 32)}, id="wide-D256"),
     ],
 )
 def test_forward_tile_pruning(n_k, da, db, tma, expect):
