@@ -3,8 +3,9 @@
 The (Nq, Nk) score matrix lives only in registers, one (BLOCK_M, BLOCK_N) tile at a time.
 Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two tiles inside the kernel,
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
-through zero strides. On Hopper, K and V tiles of self-attention come through TMA descriptors
-(:func:`kv_operands`); elsewhere, and on 77-key cross-attention, through pointer loads.
+through zero strides. On Hopper, K and V tiles of the longest kernels (16,384 tokens and up at SD
+sizes: :data:`TMA_MIN_FLOP`) come through TMA descriptors (:func:`kv_operands`); elsewhere through
+pointer loads.
 """
 
 from __future__ import annotations
@@ -561,7 +562,7 @@ def flash_attn_fwd(
     split_head_dim: tile the head dim as two power-of-two parts (see :func:`head_dim_parts`);
     None decides by head dim, layout and mask.
     kv_tma: load K and V tiles through TMA descriptors (Hopper); None: where the GPU and layout
-    allow it, on more than 128 keys.
+    allow it, on kernels of :data:`TMA_MIN_FLOP` and more.
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning
     (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)

@@ -169,7 +169,7 @@ def host_overhead_us(reps: int = 2000) -> dict[str, float]:
         "flash_attn_fwd (config)": lambda: flash_attn_fwd(q, k, v, scale, config=cfg),
         "triton JIT launch": lambda: _attn_fwd_kernel[grid](*args, **meta, **cfg, EVEN_N=True),
         "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v),
-        "flash_attn_bwd (three kernels)": lambda: flash_attn_bwd(do, q, k, v, o, lse, scale),
+        "flash_attn_bwd": lambda: flash_attn_bwd(do, q, k, v, o, lse, scale),
     }
     result = {}
     for name, f in impls.items():
