@@ -384,6 +384,7 @@ class _BwdPlan:
     splits: int
     configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
+    tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
 
 
 # Like the forward's launch plans: a training step repeats a few dozen layouts, and the host work
@@ -402,7 +403,29 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
     splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
-    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits)
+    # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
+    configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG) if interpreting() else None
+    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits, configs)
+
+
+def dkdv_grid(n_k: int, bh: int, splits: int, block_n: int) -> tuple[int, int, int]:
+    """The dK/dV kernel's grid: key blocks x query splits on dim 0, B*H as in :func:`launch_grid`."""
+    n_blocks, *bh_dims = launch_grid(n_k, bh, block_n)
+    return (n_blocks * splits, *bh_dims)
+
+
+def _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits) -> tuple[tuple, tuple]:
+    """The dQ and dK/dV kernels' integer and float arguments: fixed by a backward plan's key."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
+    common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
+    dims, scales = (H, B * H, Nq, Nk), (scale, scale * LOG2E)
+    if splits > 1:  # (split, B, H, Nk, D) partial sums: every split's (B, H, Nk, D) strides, and the split's
+        dkdv_strides = (*dk_out.stride()[1:], *dv_out.stride()[1:], dk_out.stride(0))
+    else:
+        dkdv_strides = (*dk_out.stride(), *dv_out.stride(), 0)
+    return (*common, *out.stride(), *dq.stride(), *dims, *scales), (*common, *dkdv_strides, *dims, splits, *scales)
 
 
 def flash_attn_bwd(
@@ -438,43 +461,39 @@ def flash_attn_bwd(
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
-    if mask is not None:
-        mask = mask.expand(B, H, Nq, Nk)
     BH, splits = B * H, plan.splits
     delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
-    if splits > 1:  # fp32 partial sums, one per split, added by _bwd_sum_splits
-        partials = torch.empty((2, splits, B, H, Nk, D), device=q.device, dtype=torch.float32)
-        dk_out, dv_out = partials
-        dkdv_strides = (*dk_out[0].stride(), *dv_out[0].stride(), dk_out.stride(0))
-    else:
-        dk_out, dv_out = dk, dv
-        dkdv_strides = (*dk.stride(), *dv.stride(), 0)
-    ms = mask.stride() if mask is not None else (0, 0, 0, 0)
-    common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
-    dims = (H, BH, Nq, Nk)
-    scales = (scale, scale * LOG2E)
-    # dQ first: it also computes delta, which the dK/dV kernel reads.
-    dq_args = (q, k, v, mask, do, out, dq, lse, delta, *common, *out.stride(), *dq.stride(), *dims, *scales)
-    dkdv_args = (q, k, v, mask, do, dk_out, dv_out, lse, delta, *common, *dkdv_strides, *dims, splits, *scales)
-    config = config or plan.configs or (_INTERPRET_CONFIG if interpreting() else None)
-
-    def dkdv_grid(META):
-        n_blocks, *bh = launch_grid(Nk, BH, META["BLOCK_N"])
-        return (n_blocks * splits, *bh)
-
+    # With query splits, dK and dV first as fp32 partial sums, one per split, added by _bwd_sum_splits.
+    partials = torch.empty((2, splits, B, H, Nk, D), device=q.device, dtype=torch.float32) if splits > 1 else None
+    dk_out, dv_out = (dk, dv) if partials is None else partials
+    tuned = config is None and plan.tuned
     with on_device(q):
-        if config is not None:
-            dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-            launch(_bwd_dq_kernel, launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_args, {**plan.meta, **dq_config}, plan.binaries,
-                   ("dq", *dq_config.items()))
-            launch(_bwd_dkdv_kernel, dkdv_grid(dkdv_config), dkdv_args, {**plan.meta, **dkdv_config}, plan.binaries,
-                   ("dkdv", *dkdv_config.items()))
-        else:
-            _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*dq_args, **plan.meta)
-            _dkdv_tuned[dkdv_grid](*dkdv_args, **plan.meta)
-            # Later calls of this layout launch the tuned tiles directly.
-            plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
-        if splits > 1:
+        if not tuned:
+            dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
+            config = config or plan.configs
+            if config is None:  # this layout's first call: the autotuner picks the tiles
+                # dQ first: it also computes delta, which the dK/dV kernel reads.
+                _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](
+                    q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta)
+                _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
+                    q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta)
+                plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
+            else:
+                dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
+                tuned = (
+                    (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars, {**plan.meta, **dq_config}, ("dq", *dq_config.items())),
+                    (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars, {**plan.meta, **dkdv_config},
+                     ("dkdv", *dkdv_config.items())),
+                )
+                if config is plan.configs:  # later calls of this layout reuse the whole launch
+                    plan.tuned = tuned
+        if tuned:
+            (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
+            # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
+            launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
+            launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
+                   plan.binaries, kv_key)
+        if partials is not None:
             sum_args = (dk_out, dv_out, dk, dv, *dk_out.stride()[1:4], dk_out.stride(0), *dk.stride(), *dv.stride(), H, BH, Nk, splits)
             launch(_bwd_sum_splits, launch_grid(Nk, BH, _SUM_BLOCK_N), sum_args,
                    dict(HEAD_DIM=D, BLOCK_N=_SUM_BLOCK_N, BLOCK_D=plan.block_d), plan.binaries, "sum")

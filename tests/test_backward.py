@@ -130,3 +130,24 @@ def test_backward_plans_follow_the_layout():
             assert rel_err(got, ref) <= RTOL[torch.float32]
     aligns = {plan.meta["ALIGN"] for key, plan in flash_bwd._bwd_plans.items() if key[1] == (1, 2, 33, 40)}
     assert aligns == {4, 1}
+
+
+def test_triton_backward_layout_seen_before_reuses_its_launch():
+    """A layout's second backward reuses its plan's launches (grids, strides, constexprs) with the
+    new call's tensors, mask and query splits included: the gradients are those of the new data."""
+    from sdpatch.kernels import flash_bwd
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+
+    for seed in (13, 14):
+        q, k, v = make_qkv(2, 2, 37, 21, 40, torch.float16, "bnhd", seed=seed)
+        mask = make_mask("padding", 2, 2, 37, 21, torch.float16)
+        out, lse = flash_attn_fwd(q, k, v, 0.2, mask, return_lse=True)
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.dtype)
+        grads = flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, 0.2, mask, query_splits=2)
+        plans = [p for p in flash_bwd._bwd_plans.values() if p.splits == 2 and p.meta["HEAD_DIM"] == 40]
+        assert plans and all(p.tuned is not None for p in plans)
+
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        ref = torch.autograd.grad(attention_ref(q64, k64, v64, scale=0.2, attn_mask=mask), (q64, k64, v64), do.double())
+        for name, g, r in zip("qkv", grads, ref):
+            assert rel_err(g, r) <= RTOL[torch.float16], f"d{name}, seed {seed}"
