@@ -5,7 +5,7 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check sanitize sweep bench unet profile compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
-# sweep=ONLY and bench=ONLY pass --only ONLY to those steps (comma-separated substrings of case names);
+# sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings);
 # profile=PRESET profiles that model's UNet (default sd15).
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
@@ -44,7 +44,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
   local t="timeout -k 5 $left"
   echo "=== $s (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $s in
-    check) $t python3 "$REPO/scripts/check_gpu.py" > "$W/check_gpu.log" 2>&1 || rc=$? ;;
+    check) $t python3 "$REPO/scripts/check_gpu.py" ${only:+--only "$only"} > "$W/check_gpu.log" 2>&1 || rc=$? ;;
     sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected. A plain run
       # first fills Triton's kernel cache: compiling under the sanitizer took over 150 s and ran out of time.
       # A plain run cut off here has only filled less of the cache: its 124 is no failure.
