@@ -66,11 +66,13 @@ CASES = [
 
 
 def check_correctness(only: list[str] | None = None) -> None:
-    for case in CASES:
-        if only and not any(f"N{case[2]}x{case[3]}-D{case[4]}" == o for o in only):
-            continue
-        # Twice, on new data: a layout's second call launches from its plan (see flash_attn_fwd).
-        for call in ("", " again"):
+    cases = [c for c in CASES if not only or f"{c[2]}x{c[3]}-D{c[4]}" in only]
+    if not cases:
+        report(f"--only {','.join(only)}", False, "matches no case")
+    for case in cases:
+        # Three calls on new data: the first autotunes, the second keeps its launch in the layout's
+        # plan, the third launches from the plan (see flash_attn_fwd).
+        for call in ("", " call 2", " call 3"):
             try:
                 check_case(*case, call=call)
             except Exception as e:  # a crash is a failed check; later ones may still report
