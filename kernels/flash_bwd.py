@@ -421,7 +421,7 @@ def _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits) -> t
     ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
     dims, scales = (H, B * H, Nq, Nk), (scale, scale * LOG2E)
-    if splits > 1:  # (split, B, H, Nk, D) partial sums: every split's (B, H, Nk, D) strides, and the split's
+    if splits > 1:  # (split, B, H, Nk, D) partial sums: one split's (B, H, Nk, D) strides, then the split stride
         dkdv_strides = (*dk_out.stride()[1:], *dv_out.stride()[1:], dk_out.stride(0))
     else:
         dkdv_strides = (*dk_out.stride(), *dv_out.stride(), 0)
