@@ -86,6 +86,15 @@ def _triton_import_error() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """sdpatch's kernel modules (flash_fwd, flash_bwd), imported on first use: an import statement
+    per call costs a microsecond of the host time that bounds SD's UNets (see :data:`_cuda_choices`)."""
+    from .kernels import flash_bwd, flash_fwd
+
+    return flash_fwd, flash_bwd
+
+
 def _interpreting() -> bool:
     if _triton_import_error() is not None:
         return False
@@ -217,10 +226,8 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, mask):
-        from .kernels.flash_fwd import flash_attn_fwd
-
         needs_grad = any(ctx.needs_input_grad[:3])
-        out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=needs_grad)
+        out, lse = _kernels()[0].flash_attn_fwd(q, k, v, scale, mask, return_lse=needs_grad)
         if needs_grad:
             ctx.save_for_backward(q, k, v, out, lse, mask)
             ctx.scale = scale
@@ -228,10 +235,8 @@ class TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        from .kernels.flash_bwd import flash_attn_bwd
-
         q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(do, q, k, v, out, lse, ctx.scale, mask)
+        dq, dk, dv = _kernels()[1].flash_attn_bwd(do, q, k, v, out, lse, ctx.scale, mask)
         return dq, dk, dv, None, None
 
 
@@ -251,9 +256,7 @@ def _sdpa(q, k, v, scale, mask):
 def _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast):
     if name == "triton":
         if not needs_grad:  # inference skips autograd's bookkeeping: it shows at 10-50 us kernels
-            from .kernels.flash_fwd import flash_attn_fwd
-
-            return flash_attn_fwd(q, k, v, scale, mask)[0]
+            return _kernels()[0].flash_attn_fwd(q, k, v, scale, mask)[0]
         return TritonAttention.apply(q, k, v, scale, mask)
     if name == "sdpa":
         return _sdpa(q, k, v, scale, mask)
