@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import time
@@ -23,6 +24,52 @@ class Case:
     dtype: str = "fp16"
     backward: bool = False
     sdpatch_backend: str = "triton"
+
+
+def as_config(tile: tuple[int, int, int, int]) -> dict:
+    """A launcher config from a (BLOCK_M, BLOCK_N, num_warps, num_stages) tile."""
+    bm, bn, w, s = tile
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+
+
+def case_inputs(c: Case, seed: int = 0, device: str = "cuda"):
+    """Random q, k, v for a case, laid out as diffusers' processors pass them: (B, N, H, D) memory
+    viewed as (B, H, N, D)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[c.dtype]
+    g = torch.Generator(device).manual_seed(seed)
+
+    def r(n):
+        return torch.randn(c.B, n, c.H, c.D, device=device, dtype=dtype, generator=g).transpose(1, 2)
+
+    return r(c.Nq), r(c.Nk), r(c.Nk)
+
+
+def case_tensors(c: Case, device: str = "cuda") -> tuple:
+    """(q, k, v) for a forward case; (q, k, v, dO, O, log-sum-exp) for a backward one."""
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+
+    q, k, v = case_inputs(c, device=device)
+    if not c.backward:
+        return (q, k, v)
+    out, lse = flash_attn_fwd(q, k, v, 1 / math.sqrt(c.D), return_lse=True)
+    return (q, k, v, torch.randn_like(q), out, lse)
+
+
+def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
+    """One probe measurement: ``fn``'s result checked by ``error_of`` (a relative error), then its
+    kernel time by CUDA-graph replay; a tile that cannot compile or fit is recorded, not raised."""
+    from triton.testing import do_bench_cudagraph
+
+    row = {"case": case, "impl": impl, "tflops": None, "rel_err": None, "error": None}
+    try:
+        row["rel_err"] = error_of(fn())
+        row["tflops"] = flops / do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e9
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    tf = "–" if row["tflops"] is None else f"{row['tflops']:.0f} TFLOP/s"
+    outcome = row["error"] or f"rel err {row['rel_err']:.1e}"
+    print(f"{case:15s} {impl:30s} {tf:>14s}  {outcome}", flush=True)
+    return row
 
 
 def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) -> dict:

@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from sdpatch.kernels.flash_bwd import flash_attn_bwd
-from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd
+from sdpatch.kernels.flash_fwd import LOG2E, cdiv
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment
+from _bench import Case, as_config, case_tensors, environment, probe_row
 
 
 @triton.jit
@@ -124,55 +124,26 @@ CASES = [
 TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)]
 
 
-def as_config(tile: tuple[int, int, int, int]) -> dict:
-    bm, bn, w, s = tile
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
-
-
-def inputs(c: Case, device: str = "cuda", seed: int = 0):
-    """q, k, v, dO in diffusers' (B, N, H, D) layout, and the forward's O and log-sum-exp."""
-    g = torch.Generator(device).manual_seed(seed)
-
-    def r(n):
-        return torch.randn(c.B, n, c.H, c.D, device=device, dtype=torch.float16, generator=g).transpose(1, 2)
-
-    q, k, v, do = r(c.Nq), r(c.Nk), r(c.Nk), r(c.Nq)
-    out, lse = flash_attn_fwd(q, k, v, 1 / math.sqrt(c.D), return_lse=True)
-    return q, k, v, do, out, lse
-
-
 def main() -> None:
-    from triton.testing import do_bench_cudagraph
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     for c in CASES:
-        q, k, v, do, out, lse = inputs(c)
+        q, k, v, do, out, lse = case_tensors(c)
         scale = 1 / math.sqrt(c.D)
         flops = 2.5 * 4 * c.B * c.H * c.Nq * c.Nk * c.D
         n = 256  # dq of the first rows, dk and dv of the first keys, of batch 0, head 0, against float64
         q64, k64, v64 = (t[:1, :1].double().requires_grad_() for t in (q, k, v))
         ref = torch.autograd.grad(attention_ref(q64, k64, v64), (q64, k64, v64), do[:1, :1].double())
 
-        def check(grads) -> float:
+        def error_of(grads) -> float:
             return max(((g[:1, :1, :n].double() - r[:, :, :n]).norm() / r[:, :, :n].norm()).item() for g, r in zip(grads, ref))
 
-        impls = {"sdpatch (tuned)": lambda: flash_attn_bwd(do, q, k, v, out, lse, scale)}
+        rows.append(probe_row(c.name, "sdpatch (tuned)", lambda: flash_attn_bwd(do, q, k, v, out, lse, scale), flops, error_of))
         for tile in TILES:
-            impls[f"onepass {tile}"] = lambda cfg=as_config(tile): onepass_bwd(do, q, k, v, out, lse, scale, cfg)
-        for name, fn in impls.items():
-            row = {"case": c.name, "impl": name, "tflops": None, "rel_err": None, "error": None}
-            try:
-                row["rel_err"] = check(fn())
-                row["tflops"] = flops / do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e9
-            except Exception as e:  # noqa: BLE001 (a tile that cannot compile or fit is a result)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            rows.append(row)
-            tf = "–" if row["tflops"] is None else f"{row['tflops']:.0f} TFLOP/s"
-            err = row["error"] or f"rel err {row['rel_err']:.1e}"
-            print(f"{c.name:15s} {name:28s} {tf:>14s}  {err}", flush=True)
+            fn = lambda cfg=as_config(tile): onepass_bwd(do, q, k, v, out, lse, scale, cfg)  # noqa: E731
+            rows.append(probe_row(c.name, f"onepass {tile}", fn, flops, error_of))
         del q, k, v, do, out, lse
         torch.cuda.empty_cache()
     print(environment())

@@ -26,7 +26,7 @@ import triton.language as tl
 from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment
+from _bench import Case, as_config, case_inputs, environment, probe_row
 
 
 @triton.jit
@@ -131,51 +131,26 @@ TILES = [
 ]
 
 
-def as_config(tile: tuple[int, int, int, int]) -> dict:
-    bm, bn, w, s = tile
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
-
-
-def inputs(c: Case, device: str = "cuda", seed: int = 0):
-    g = torch.Generator(device).manual_seed(seed)
-    dtype = torch.float16
-
-    def r(n):
-        return torch.randn(c.B, n, c.H, c.D, device=device, dtype=dtype, generator=g).transpose(1, 2)
-
-    return r(c.Nq), r(c.Nk), r(c.Nk)
-
-
 def main() -> None:
-    from triton.testing import do_bench_cudagraph
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     for c in CASES:
-        q, k, v = inputs(c)
+        q, k, v = case_inputs(c)
         scale = 1 / math.sqrt(c.D)
         flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
         ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
+
+        def error_of(out) -> float:
+            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
+
         for tile in TILES:
-            cfg = as_config(tile)
             impls = {
-                "pingpong": lambda cfg=cfg: pingpong_attention(q, k, v, scale, cfg),
-                "sdpatch": lambda cfg=cfg: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0],
+                "pingpong": lambda cfg=as_config(tile): pingpong_attention(q, k, v, scale, cfg),
+                "sdpatch": lambda cfg=as_config(tile): flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0],
             }
-            for name, fn in impls.items():
-                row = {"case": c.name, "impl": name, "tile": tile, "tflops": None, "rel_err": None, "error": None}
-                try:
-                    out = fn()
-                    row["rel_err"] = ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
-                    row["tflops"] = flops / do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e9
-                except Exception as e:  # noqa: BLE001 (a tile that cannot compile or fit is a result)
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-                rows.append(row)
-                tf = "–" if row["tflops"] is None else f"{row['tflops']:.0f} TFLOP/s"
-                err = row["error"] or f"rel err {row['rel_err']:.1e}"
-                print(f"{c.name:12s} {name:9s} {tile} {tf:>14s}  {err}", flush=True)
+            rows += [{**probe_row(c.name, f"{name} {tile}", fn, flops, error_of), "tile": tile} for name, fn in impls.items()]
         del q, k, v
         torch.cuda.empty_cache()
     print(environment())
@@ -184,7 +159,7 @@ def main() -> None:
     for c in CASES:
         best = {}
         for name in ("pingpong", "sdpatch"):
-            ok = [r for r in rows if r["case"] == c.name and r["impl"] == name and r["tflops"] and r["rel_err"] < 1e-2]
+            ok = [r for r in rows if r["case"] == c.name and r["impl"].startswith(name) and r["tflops"] and r["rel_err"] < 1e-2]
             best[name] = max(ok, key=lambda r: r["tflops"], default=None)
         p, s = best["pingpong"], best["sdpatch"]
         cell = lambda r: "–" if r is None else f"{r['tflops']:.0f} {tuple(r['tile'])}"  # noqa: E731

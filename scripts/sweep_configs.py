@@ -40,7 +40,7 @@ from sdpatch.kernels.flash_fwd import (
     launch_grid,
 )
 
-from _bench import Case, environment
+from _bench import Case, as_config, case_tensors, environment
 from bench_kernels import CASES as BENCH_CASES
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -73,21 +73,6 @@ CASES = [c for c in BENCH_CASES if c.sdpatch_backend == "triton" and c.Nq <= 163
     Case("hd80 1024", 2, 8, 1024, 1024, 80),
     Case("hd160 256", 2, 8, 256, 256, 160),
 ]
-
-
-def as_config(t: tuple) -> dict:
-    bm, bn, w, s = t
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
-
-
-def inputs(c: Case, seed: int = 0, device: str = "cuda"):
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[c.dtype]
-    g = torch.Generator(device).manual_seed(seed)
-
-    def r(n):
-        return torch.randn(c.B, n, c.H, c.D, device=device, dtype=dtype, generator=g).transpose(1, 2)
-
-    return r(c.Nq), r(c.Nk), r(c.Nk)
 
 
 def fwd_variants(c: Case) -> list[tuple[str, bool, bool]]:
@@ -123,14 +108,6 @@ def launcher(task, tensors):
     do, out, lse = tensors[3:]
     pair = (as_config(cfg), as_config(DQ_FIXED)) if kind == "dkdv" else (as_config(DKDV_FIXED), as_config(cfg))
     return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=pair, split_head_dim=label == "split")
-
-
-def case_tensors(c: Case, device: str = "cuda"):
-    q, k, v = inputs(c, device=device)
-    if not c.backward:
-        return (q, k, v)
-    out, lse = flash_attn_fwd(q, k, v, 1 / math.sqrt(c.D), return_lse=True)
-    return (q, k, v, torch.randn_like(q), out, lse)
 
 
 def _compile_worker(chunk: list[tuple]) -> list[str]:
