@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import subprocess
@@ -70,6 +71,26 @@ def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
     outcome = row["error"] or f"rel err {row['rel_err']:.1e}"
     print(f"{case:15s} {impl:30s} {tf:>14s}  {outcome}", flush=True)
     return row
+
+
+def probe_summary(rows: list[dict], cases: list[str], candidate: str, baseline: str, json_path: str | None) -> None:
+    """Print each case's fastest correct ``candidate`` row against its fastest ``baseline`` row (rows
+    from :func:`probe_row`, told apart by the start of their ``impl``), and write every row as JSON."""
+    print(environment())
+    print(f"| case | best {baseline} | best {candidate} | × |")
+    print("|---|---|---|---|")
+    for case in cases:
+        best = {}
+        for name in (baseline, candidate):
+            ok = [r for r in rows if r["case"] == case and r["impl"].startswith(name) and r["tflops"] and r["rel_err"] < 1e-2]
+            best[name] = max(ok, key=lambda r: r["tflops"], default=None)
+        base, cand = best[baseline], best[candidate]
+        cell = lambda r: "–" if r is None else f"{r['tflops']:.0f} ({r['impl']})"  # noqa: E731
+        ratio = f"{cand['tflops'] / base['tflops']:.2f}" if base and cand else "–"
+        print(f"| {case} | {cell(base)} | {cell(cand)} | {ratio} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": environment(), "rows": rows}, f, indent=1)
 
 
 def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) -> dict:

@@ -16,7 +16,6 @@ including the buffer's zeroing and the final conversion; checked against float64
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -27,7 +26,7 @@ from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.flash_fwd import LOG2E, cdiv
 from sdpatch.reference import attention_ref
 
-from _bench import Case, as_config, case_tensors, environment, probe_row
+from _bench import Case, as_config, case_tensors, probe_row, probe_summary
 
 
 @triton.jit
@@ -146,19 +145,7 @@ def main() -> None:
             rows.append(probe_row(c.name, f"onepass {tile}", fn, flops, error_of))
         del q, k, v, do, out, lse
         torch.cuda.empty_cache()
-    print(environment())
-    print("| case | sdpatch backward (tuned) | best one-pass (tile) | × |")
-    print("|---|---|---|---|")
-    for c in CASES:
-        ok = [r for r in rows if r["case"] == c.name and r["tflops"] and r["rel_err"] < 1e-2]
-        ours = next((r for r in ok if r["impl"].startswith("sdpatch")), None)
-        best = max((r for r in ok if r["impl"].startswith("onepass")), key=lambda r: r["tflops"], default=None)
-        ratio = f"{best['tflops'] / ours['tflops']:.2f}" if ours and best else "–"
-        cell = lambda r: "–" if r is None else f"{r['tflops']:.0f}"  # noqa: E731
-        print(f"| {c.name} | {cell(ours)} | {cell(best)} {best['impl'][8:] if best else ''} | {ratio} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    probe_summary(rows, [c.name for c in CASES], "onepass", "sdpatch", args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ A win here is a reason to build the alternation into ``kernels/flash_fwd.py``, w
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -26,7 +25,7 @@ import triton.language as tl
 from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import Case, as_config, case_inputs, environment, probe_row
+from _bench import Case, as_config, case_inputs, probe_row, probe_summary
 
 
 @triton.jit
@@ -150,24 +149,10 @@ def main() -> None:
                 "pingpong": lambda cfg=as_config(tile): pingpong_attention(q, k, v, scale, cfg),
                 "sdpatch": lambda cfg=as_config(tile): flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0],
             }
-            rows += [{**probe_row(c.name, f"{name} {tile}", fn, flops, error_of), "tile": tile} for name, fn in impls.items()]
+            rows += [probe_row(c.name, f"{name} {tile}", fn, flops, error_of) for name, fn in impls.items()]
         del q, k, v
         torch.cuda.empty_cache()
-    print(environment())
-    print("| case | best pingpong (tile) | best sdpatch, same loads (tile) | × |")
-    print("|---|---|---|---|")
-    for c in CASES:
-        best = {}
-        for name in ("pingpong", "sdpatch"):
-            ok = [r for r in rows if r["case"] == c.name and r["impl"].startswith(name) and r["tflops"] and r["rel_err"] < 1e-2]
-            best[name] = max(ok, key=lambda r: r["tflops"], default=None)
-        p, s = best["pingpong"], best["sdpatch"]
-        cell = lambda r: "–" if r is None else f"{r['tflops']:.0f} {tuple(r['tile'])}"  # noqa: E731
-        ratio = f"{p['tflops'] / s['tflops']:.2f}" if p and s else "–"
-        print(f"| {c.name} | {cell(p)} | {cell(s)} | {ratio} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    probe_summary(rows, [c.name for c in CASES], "pingpong", "sdpatch", args.json)
 
 
 if __name__ == "__main__":
