@@ -89,6 +89,7 @@ def _bwd_dkdv_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
+    EVEN_M: tl.constexpr,  # N_Q % BLOCK_M == 0: no query-tail masking
 ):
     # Grid dim 0 is key block x query split: with few keys (77 text tokens are 2 blocks a head),
     # one program per key block leaves most of the GPU idle, so the query loop is shared out.
@@ -133,7 +134,7 @@ def _bwd_dkdv_kernel(
         dvb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
 
     for start_m in range(m_lo, m_hi, BLOCK_M):
-        m_valid = (start_m + offs_m) < N_Q
+        m_valid = ((start_m + offs_m) < N_Q) | EVEN_M  # all true without a query tail: loads unmasked
         qTa = _load_cols(q_cols, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
         doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
         lse = tl.load(Lse + row_base + start_m + offs_m, mask=m_valid, other=float("inf"))
@@ -149,10 +150,11 @@ def _bwd_dkdv_kernel(
             sT = tl.dot(kb, qTb, sT, input_precision=DOT_PRECISION)
         if not FOLD_SCALE:
             sT = sT * qk_scale
+        # Without a mask the tails need no -inf: a query past N_Q has lse = +inf, so its P^T column
+        # is 0; a key past N_K has zero K and V rows, and its rows of P^T and dS^T, whatever they
+        # hold, reach only its own rows of dK and dV, which are never stored.
         if MASK_KIND != 0:
             sT = _masked_scores(sT, maskT_ptrs, n_valid[:, None] & m_valid[None, :], MASK_KIND)
-        else:
-            sT = tl.where(n_valid[:, None] & m_valid[None, :], sT, float("-inf"))
         if FOLD_SCALE:  # -inf stays -inf: the scale is positive
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
         else:
@@ -214,6 +216,7 @@ def _bwd_dq_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
+    EVEN_N: tl.constexpr,  # N_K % BLOCK_N == 0: no key-tail masking
 ):
     pid_m = tl.program_id(0)
     pid_bh, off_b, off_h = _batch_head(H)
@@ -252,7 +255,7 @@ def _bwd_dq_kernel(
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
     for start_n in range(0, N_K, BLOCK_N):
-        n_valid = (start_n + offs_n) < N_K
+        n_valid = ((start_n + offs_n) < N_K) | EVEN_N  # all true without a key tail: loads unmasked
         kTa = _load_cols(k_cols, stride_kd, offs_da, da_valid, n_valid, DOT_FP32)
         vTa = _load_cols(v_cols, stride_vd, offs_da, da_valid, n_valid, DOT_FP32)
         # -- recompute P, then dS = P * (dP - delta); dQ += dS K -------------------------------
@@ -267,7 +270,7 @@ def _bwd_dq_kernel(
             s = s * qk_scale
         if MASK_KIND != 0:
             s = _masked_scores(s, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
-        else:
+        elif not EVEN_N:  # a key past N_K has zero K rows, but exp2(0 - lse) may overflow: 0 * inf
             s = tl.where(n_valid[None, :], s, float("-inf"))
         if FOLD_SCALE:
             p = tl.math.exp2(s * qk_scale - lse[:, None])
@@ -473,16 +476,19 @@ def flash_attn_bwd(
             config = config or plan.configs
             if config is None:  # this layout's first call: the autotuner picks the tiles
                 # dQ first: it also computes delta, which the dK/dV kernel reads.
+                # EVEN_N and EVEN_M depend on the tuned tiles; every candidate BLOCK_N and BLOCK_M divides 128.
                 _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](
-                    q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta)
+                    q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta, EVEN_N=Nk % 128 == 0)
                 _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
-                    q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta)
+                    q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta, EVEN_M=Nq % 128 == 0)
                 plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
             else:
                 dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
                 tuned = (
-                    (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars, {**plan.meta, **dq_config}, ("dq", *dq_config.items())),
-                    (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars, {**plan.meta, **dkdv_config},
+                    (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
+                     {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())),
+                    (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
+                     {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config},
                      ("dkdv", *dkdv_config.items())),
                 )
                 if config is plan.configs:  # later calls of this layout reuse the whole launch

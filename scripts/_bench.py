@@ -111,6 +111,24 @@ def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) 
     return kw
 
 
+def train_step(unet, kw: dict, target: torch.Tensor, autocast: bool = True):
+    """One training step of ``unet`` on the call arguments ``kw``, as a closure: gradients cleared,
+    forward under fp16 autocast, MSE loss against ``target``, backward (no optimizer: its memory and
+    time do not depend on attention)."""
+    import torch.nn.functional as F
+
+    params = [p for p in unet.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            pred = unet(**kw).sample
+        F.mse_loss(pred.float(), target).backward()
+
+    return step
+
+
 def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, device: str = "cuda") -> torch.Tensor | None:
     """Test masks, 4-D as the kernels take them: bool (B, 1, Nq, Nk) with row 0 fully masked,
     additive (1, 1, Nq, Nk), or diffusers' (B, 1, 1, Nk) encoder padding mask."""

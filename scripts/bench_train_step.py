@@ -18,11 +18,9 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
-
 from sdpatch.models import build_preset
 
-from _bench import alternating_median_ms, environment, peak_over, rel_err, unet_inputs, use_variant
+from _bench import alternating_median_ms, environment, peak_over, rel_err, train_step, unet_inputs, use_variant
 
 SIZES = [512, 768]
 BATCH = 4
@@ -40,19 +38,13 @@ def main() -> None:
     for size in SIZES:
         kw = unet_inputs(unet, BATCH, size, torch.float32)
         target = torch.randn_like(kw["sample"])
-
-        def step(autocast: bool = True):
-            for p in params:
-                p.grad = None
-            with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
-                pred = unet(**kw).sample
-            F.mse_loss(pred.float(), target).backward()
+        step = train_step(unet, kw, target)
 
         use_variant(unet, "stock")
         unet.disable_gradient_checkpointing()
         tf32 = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = False  # convolutions in TF32 would round like fp16
-        step(autocast=False)
+        train_step(unet, kw, target, autocast=False)()
         torch.backends.cudnn.allow_tf32 = tf32
         exact = unet.conv_in.weight.grad.detach().clone()
         for checkpointing in (False, True):

@@ -3,10 +3,10 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check sanitize sweep bench unet profile probe compare train planner multi (multi takes every GPU)
+#   check sanitize sweep bench unet profile probe compare train trainprof planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings);
-# profile=PRESET profiles that model's UNet (default sd15).
+# profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -55,10 +55,9 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
-    probe)  # kernel leads measured before the library takes them on (see each script's docstring)
-      for p in pingpong bwd_onepass; do
-        timeout -k 5 $(( left / 2 )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
-      done ;;
+    probe)  # kernel leads measured before the library takes them on (see the script's docstring)
+      $t python3 "$REPO/scripts/probe_exp16.py" --json "$W/probe_exp16.json" > "$W/probe_exp16.log" 2>&1 || rc=$? ;;
+    trainprof) $t python3 "$REPO/scripts/profile_unet.py" --train --sizes 512,768 > "$W/trainprof.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;

@@ -47,9 +47,10 @@ def tensor(B, H, N, D, layout, device):
     return torch.randn(B, N, H, D, device=device, dtype=torch.float16).transpose(1, 2)
 
 
-def main(device: str = "cuda") -> int:
+def main(device: str = "cuda", backward_only: bool = False) -> int:
     """Every launch, checked; returns the number of wrong results. ``device="cpu"`` runs the same
-    launches through the Triton interpreter (tests/test_scripts.py), with smaller tiles."""
+    launches through the Triton interpreter (tests/test_scripts.py), with smaller tiles.
+    ``backward_only`` runs only the first forward config that fits per shape, to feed the backward."""
     torch.manual_seed(0)
     bad = 0
     launches = 0
@@ -58,7 +59,7 @@ def main(device: str = "cuda") -> int:
         mask = make_mask(mk, B, Nq, Nk, torch.float16, device)
         ref = attention_ref(q, k, v, attn_mask=mask)
         scale = D**-0.5
-        for tma in (False, True) if kv_tma_ok(k, v) else (False,):
+        for tma in (False, True) if kv_tma_ok(k, v) and not backward_only else (False,):
             meta = fwd_meta(q, k, v, torch.empty_like(q), scale, mask, True, None, tma)
             for c in fwd_prune(fwd_configs(), {"N_K": Nk}, **meta):  # what the autotuner may pick here
                 try:
@@ -70,6 +71,8 @@ def main(device: str = "cuda") -> int:
                 if not err <= 1e-2:
                     bad += 1
                     print(f"WRONG fwd {B, H, Nq, Nk, D, mk, layout} {c} kv_tma={tma}: {err:.2e}", flush=True)
+                if backward_only:
+                    break
         do = torch.randn_like(q)
         for pair in zip(_dkdv_configs(), _dq_configs()):
             try:
@@ -85,4 +88,4 @@ def main(device: str = "cuda") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(1 if main() else 0)
+    sys.exit(1 if main(backward_only="--backward-only" in sys.argv[1:]) else 0)

@@ -154,3 +154,31 @@ def test_triton_backward_layout_seen_before_reuses_its_launch(monkeypatch):
         ref = torch.autograd.grad(attention_ref(q64, k64, v64, scale=0.2, attn_mask=mask), (q64, k64, v64), do.double())
         for name, g, r in zip("qkv", grads, ref):
             assert rel_err(g, r) <= RTOL[torch.float16], f"d{name}, seed {seed}"
+
+
+def test_triton_backward_tails_with_every_score_far_below_zero():
+    """Key and query tails (19 keys, 17 queries: not whole 16-row blocks) where every score is about
+    -1000: the log-sum-exp is then so negative that exp2(0 - lse) on a padded key overflows, so
+    the dQ kernel must still mask the key tail, and the dK/dV kernel's padded rows must stay its own."""
+    from sdpatch.kernels.flash_bwd import flash_attn_bwd
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+
+    g = torch.Generator().manual_seed(9)
+    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)
+    # Scores -1000 +- a few: q . k = -4000 + q . k_perp, with the keys' spread orthogonal to u (a
+    # spread along u would make the scores span hundreds); their common -10 u cancels out of dq.
+    k_perp = torch.randn(1, 2, 19, 16, generator=g)
+    k_perp -= (k_perp @ u)[..., None] * u
+    q = (400 * u + torch.randn(1, 2, 17, 16, generator=g)).half()
+    k = (-10 * u + k_perp).half()
+    v = torch.randn(1, 2, 19, 16, generator=g).half()
+    out, lse = flash_attn_fwd(q, k, v, 0.25, return_lse=True)
+    assert lse.max() < -1000  # base 2: exp2(-lse) is inf in fp32
+    do = torch.randn(q.shape, generator=g).half()
+    grads = flash_attn_bwd(do, q, k, v, out, lse, 0.25)
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(attention_ref(q64, k64, v64, scale=0.25), (q64, k64, v64), do.double())
+    for name, got, want in zip("qkv", grads, ref):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert rel_err(got, want) <= RTOL[torch.float16], f"d{name}"

@@ -12,9 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import probe_bwd_onepass  # noqa: E402
-from _bench import Case, as_config, case_inputs, case_tensors  # noqa: E402
-import probe_pingpong  # noqa: E402
+from _bench import Case, as_config, case_inputs  # noqa: E402
+import probe_exp16  # noqa: E402
 import sanitize_kernels  # noqa: E402
 import sweep_configs  # noqa: E402
 
@@ -56,20 +55,10 @@ def test_sweep_launches_every_variant(case):
                 assert rel_err(got, want.double()) <= RTOL[torch.float16], (kind, label)
 
 
+@pytest.mark.parametrize("mode", list(probe_exp16.EXP_MODES))
 @pytest.mark.parametrize("D", [40, 64], ids=lambda d: f"D{d}")
-def test_pingpong_probe_computes_attention(D):
-    """The ping-pong probe kernel (two query sub-tiles per program) is exact, tails of queries included."""
+def test_exp16_probe_computes_attention(D, mode):
+    """Each exponential of the fp16-exponential probe kernel gives attention, query tails included."""
     q, k, v = case_inputs(Case("probe", 2, 2, 45, 32, D), device="cpu")
-    out = probe_pingpong.pingpong_attention(q, k, v, D**-0.5, as_config((32, 16, 4, 1)))
+    out = probe_exp16.exp16_attention(q, k, v, D**-0.5, as_config(SMALL_TILE), mode)
     assert rel_err(out, attention_ref(q, k, v, scale=D**-0.5)) <= RTOL[torch.float16]
-
-
-@pytest.mark.parametrize("D", [40, 64], ids=lambda d: f"D{d}")
-def test_onepass_backward_probe_computes_gradients(D):
-    """The one-pass backward probe (dQ through fp32 atomics) gives dq, dk, dv, query and key tails included."""
-    q, k, v, do, out, lse = case_tensors(Case("probe", 2, 2, 45, 37, D, backward=True), device="cpu")
-    grads = probe_bwd_onepass.onepass_bwd(do, q, k, v, out, lse, D**-0.5, as_config((16, 16, 4, 1)))
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(attention_ref(q64, k64, v64, scale=D**-0.5), (q64, k64, v64), do.double())
-    for name, g, r in zip("qkv", grads, ref):
-        assert rel_err(g, r) <= RTOL[torch.float16], f"d{name}"
