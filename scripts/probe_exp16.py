@@ -14,6 +14,9 @@ matches what the dot sums. Three variants of one probe kernel (no mask, whole ke
 loads): fp32 ``exp2`` (the production math, to tell the probe's overhead from the change), fp16
 exponential with an fp32 row sum, and with the row sum in fp16 pairs; against sdpatch's kernel with the
 same tiles, kernel time only (CUDA-graph replay).
+
+Measured in v5 (docs/benchmarks.md): at head dim 64 the fp16 exponential lost (0.93-0.96 of the fp32
+variant). At head dim 40 that run had no alignment hints and no verdict; the kernel now has them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd, interpreting
+from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd, interpreting, vector_align
 from sdpatch.reference import attention_ref
 
 from _bench import Case, as_config, case_inputs, probe_row, probe_summary
@@ -58,6 +61,7 @@ def _exp16_fwd_kernel(
     BLOCK_N: tl.constexpr,  # must divide N_K: no key-tail masking here
     EXP_MODE: tl.constexpr,  # 0: fp32 exp2; 1: fp16 pairs, fp32 row sum; 2: fp16 pairs, fp16 row sum per tile
     ASM: tl.constexpr,
+    ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -67,11 +71,16 @@ def _exp16_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
+    rows = offs_m.to(tl.int64)
     q_mask = (offs_m < N_Q)[:, None] & d_valid[None, :]
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    # Row offsets hinted as the production kernel hints them: without the hints, rows of 40 halves
+    # load element by element (call 2 of v5 measured this probe at 95 TFLOP/s at head dim 40).
+    q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    k_cols = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(offs_n * stride_kn, ALIGN)
+    v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(offs_n * stride_vn, ALIGN)
+    k_ptrs = k_cols[None, :] + offs_d[:, None] * stride_kd
+    v_ptrs = v_rows[:, None] + offs_d[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -101,7 +110,8 @@ def _exp16_fwd_kernel(
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
 
-    tl.store(Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od,
+    o_rows = Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN) + tl.multiple_of(rows * stride_om, ALIGN)
+    tl.store(o_rows[:, None] + offs_d[None, :] * stride_od,
              (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=q_mask)
 
 
@@ -117,7 +127,8 @@ def exp16_attention(q, k, v, scale: float, config: dict, mode: str) -> torch.Ten
     grid = (cdiv(Nq, config["BLOCK_M"]), B * H)
     _exp16_fwd_kernel[grid](
         q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(), H, Nq, Nk, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), EXP_MODE=EXP_MODES[mode], ASM=not interpreting(), **config,
+        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), EXP_MODE=EXP_MODES[mode], ASM=not interpreting(),
+        ALIGN=vector_align(q, k, v, out), **config,
     )
     return out
 
