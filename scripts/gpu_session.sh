@@ -55,8 +55,10 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
-    probe)  # kernel leads measured before the library takes them on (see the script's docstring)
-      $t python3 "$REPO/scripts/probe_exp16.py" --json "$W/probe_exp16.json" > "$W/probe_exp16.log" 2>&1 || rc=$? ;;
+    probe)  # kernel leads measured before the library takes them on (see each script's docstring)
+      for p in ws exp16; do
+        timeout -k 5 $(( left / 2 )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
+      done ;;
     trainprof) $t python3 "$REPO/scripts/profile_unet.py" --train --sizes 512,768 > "$W/trainprof.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \

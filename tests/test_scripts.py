@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from _bench import Case, as_config, case_inputs  # noqa: E402
 import probe_exp16  # noqa: E402
+import probe_ws  # noqa: E402
 import sanitize_kernels  # noqa: E402
 import sweep_configs  # noqa: E402
 
@@ -61,4 +62,14 @@ def test_exp16_probe_computes_attention(D, mode):
     """Each exponential of the fp16-exponential probe kernel gives attention, query tails included."""
     q, k, v = case_inputs(Case("probe", 2, 2, 45, 32, D), device="cpu")
     out = probe_exp16.exp16_attention(q, k, v, D**-0.5, as_config(SMALL_TILE), mode)
+    assert rel_err(out, attention_ref(q, k, v, scale=D**-0.5)) <= RTOL[torch.float16]
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "ws"])
+@pytest.mark.parametrize("D", [40, 64], ids=lambda d: f"D{d}")
+def test_ws_probe_computes_attention(D, warp_specialize):
+    """The warp-specialization probe kernel (device-made descriptors) gives attention, a query
+    tail and a padded head dim included."""
+    q, k, v = case_inputs(Case("probe", 2, 2, 45, 32, D), device="cpu")
+    out = probe_ws.ws_attention(q, k, v, D**-0.5, as_config(SMALL_TILE), warp_specialize)
     assert rel_err(out, attention_ref(q, k, v, scale=D**-0.5)) <= RTOL[torch.float16]
