@@ -27,6 +27,16 @@ class Case:
     sdpatch_backend: str = "triton"
 
 
+# The forward probes' cases: SD's self-attention where the softmax weighs most (head dim 64, and 40
+# padded to 64), in diffusers' (B, N, H, D) layout.
+PROBE_CASES = [
+    Case("hd40 4096", 2, 8, 4096, 4096, 40),
+    Case("hd40 16384", 2, 8, 16384, 16384, 40),
+    Case("hd64 4096", 2, 10, 4096, 4096, 64),
+    Case("hd64 1024", 2, 20, 1024, 1024, 64),
+]
+
+
 def as_config(tile: tuple[int, int, int, int]) -> dict:
     """A launcher config from a (BLOCK_M, BLOCK_N, num_warps, num_stages) tile."""
     bm, bn, w, s = tile
@@ -71,6 +81,43 @@ def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
     outcome = row["error"] or f"rel err {row['rel_err']:.1e}"
     print(f"{case:15s} {impl:30s} {tf:>14s}  {outcome}", flush=True)
     return row
+
+
+def probe_forward(tiles: list[tuple], impls_for, cases: list[Case] = PROBE_CASES, device: str = "cuda") -> list[dict]:
+    """Run a forward probe: for each case and tile, ``impls_for(q, k, v, scale, config)`` gives
+    {implementation name: zero-argument call}; each is checked against float64 on 512 rows of
+    one head, then timed (see :func:`probe_row`). Returns the rows, named "<implementation> <tile>"."""
+    from sdpatch.reference import attention_ref
+
+    rows = []
+    for c in cases:
+        q, k, v = case_inputs(c, device=device)
+        scale = 1 / math.sqrt(c.D)
+        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
+        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
+
+        def error_of(out) -> float:
+            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
+
+        for tile in tiles:
+            impls = impls_for(q, k, v, scale, as_config(tile))
+            rows += [probe_row(c.name, f"{name} {tile}", fn, flops, error_of) for name, fn in impls.items()]
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def probe_main(description: str, tiles: list[tuple], impls_for, pairs: list[tuple[str, str]]) -> None:
+    """A forward probe's command line: ``--json PATH``; times every variant (:func:`probe_forward`)
+    and prints, for each (candidate, baseline) pair of name prefixes, the best of each per case."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = probe_forward(tiles, impls_for)
+    for i, (candidate, baseline) in enumerate(pairs):
+        probe_summary(rows, [c.name for c in PROBE_CASES], candidate, baseline, args.json if i == 0 else None)
 
 
 def probe_summary(rows: list[dict], cases: list[str], candidate: str, baseline: str, json_path: str | None) -> None:

@@ -21,17 +21,13 @@ variant). At head dim 40 that run had no alignment hints and no verdict; the ker
 
 from __future__ import annotations
 
-import argparse
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd, interpreting, vector_align
-from sdpatch.reference import attention_ref
 
-from _bench import Case, as_config, case_inputs, probe_row, probe_summary
+from _bench import probe_main
 
 EXP_MODES = {"exp32": 0, "exp16": 1, "exp16-hsum": 2}
 
@@ -133,41 +129,19 @@ def exp16_attention(q, k, v, scale: float, config: dict, mode: str) -> torch.Ten
     return out
 
 
-# SD's self-attention where the exponential weighs most; diffusers' (B, N, H, D) layout.
-CASES = [
-    Case("hd40 4096", 2, 8, 4096, 4096, 40),
-    Case("hd40 16384", 2, 8, 16384, 16384, 40),
-    Case("hd64 4096", 2, 10, 4096, 4096, 64),
-    Case("hd64 1024", 2, 20, 1024, 1024, 64),
-]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the production kernel's pointer tiles at these head dims.
 TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
 
 
+def impls_for(q, k, v, scale: float, cfg: dict) -> dict:
+    """What the probe times on one case and tile: {name: zero-argument call}."""
+    impls = {mode: (lambda m=mode: exp16_attention(q, k, v, scale, cfg, m)) for mode in EXP_MODES}
+    impls["sdpatch"] = lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0]
+    return impls
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    rows = []
-    for c in CASES:
-        q, k, v = case_inputs(c)
-        scale = 1 / math.sqrt(c.D)
-        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
-        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
-
-        def error_of(out) -> float:
-            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
-
-        for tile in TILES:
-            cfg = as_config(tile)
-            impls = {f"{mode} {tile}": (lambda m=mode: exp16_attention(q, k, v, scale, cfg, m)) for mode in EXP_MODES}
-            impls[f"sdpatch {tile}"] = lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0]
-            rows += [probe_row(c.name, name, fn, flops, error_of) for name, fn in impls.items()]
-        del q, k, v
-        torch.cuda.empty_cache()
-    names = [c.name for c in CASES]
-    for candidate in ("exp16 ", "exp16-hsum", "exp32"):
-        probe_summary(rows, names, candidate, "sdpatch", args.json)
+    probe_main(__doc__.splitlines()[0], TILES, impls_for, [("exp16 ", "sdpatch"), ("exp16-hsum", "sdpatch"), ("exp32", "sdpatch")])
 
 
 if __name__ == "__main__":

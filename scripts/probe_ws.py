@@ -17,17 +17,13 @@ against float64 first. A tile that does not compile is recorded with its error.
 
 from __future__ import annotations
 
-import argparse
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from sdpatch.kernels.flash_fwd import LOG2E, cdiv, flash_attn_fwd
-from sdpatch.reference import attention_ref
 
-from _bench import Case, as_config, case_inputs, probe_row, probe_summary
+from _bench import probe_main
 
 
 @triton.jit
@@ -102,45 +98,23 @@ def ws_attention(q, k, v, scale: float, config: dict, warp_specialize: bool) -> 
     return out
 
 
-# SD's self-attention where the softmax weighs most; diffusers' (B, N, H, D) layout.
-CASES = [
-    Case("hd40 4096", 2, 8, 4096, 4096, 40),
-    Case("hd40 16384", 2, 8, 16384, 16384, 40),
-    Case("hd64 4096", 2, 10, 4096, 4096, 64),
-    Case("hd64 1024", 2, 20, 1024, 1024, 64),
-]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 TILES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
+def impls_for(q, k, v, scale: float, cfg: dict) -> dict:
+    """What the probe times on one case and tile: {name: zero-argument call}."""
+    return {
+        "ws": lambda: ws_attention(q, k, v, scale, cfg, True),
+        "plain": lambda: ws_attention(q, k, v, scale, cfg, False),
+        "sdpatch": lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0],
+        "sdpatch-tma": lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=True)[0],
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    rows = []
-    for c in CASES:
-        q, k, v = case_inputs(c)
-        scale = 1 / math.sqrt(c.D)
-        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
-        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
-
-        def error_of(out) -> float:
-            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
-
-        for tile in TILES:
-            cfg = as_config(tile)
-            impls = {
-                f"ws {tile}": lambda: ws_attention(q, k, v, scale, cfg, True),
-                f"plain {tile}": lambda: ws_attention(q, k, v, scale, cfg, False),
-                f"sdpatch {tile}": lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=False)[0],
-                f"sdpatch-tma {tile}": lambda: flash_attn_fwd(q, k, v, scale, config=cfg, kv_tma=True)[0],
-            }
-            rows += [probe_row(c.name, name, fn, flops, error_of) for name, fn in impls.items()]
-        del q, k, v
-        torch.cuda.empty_cache()
-    names = [c.name for c in CASES]
-    probe_summary(rows, names, "ws", "sdpatch", args.json)  # sdpatch: both of its loads
-    probe_summary(rows, names, "ws", "plain", None)
+    # "sdpatch" names both of its loads (rows whose names start with it): pointers and TMA.
+    probe_main(__doc__.splitlines()[0], TILES, impls_for, [("ws", "sdpatch"), ("ws", "plain")])
 
 
 if __name__ == "__main__":
