@@ -156,6 +156,16 @@ def test_triton_backward_layout_seen_before_reuses_its_launch(monkeypatch):
             assert rel_err(g, r) <= RTOL[torch.float16], f"d{name}, seed {seed}"
 
 
+def test_autotuned_tiles_divide_128():
+    """On a layout's first call the launchers set EVEN_M / EVEN_N from the lengths modulo 128, before
+    the autotuner has picked a tile: right only while every candidate tile divides 128."""
+    from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs
+    from sdpatch.kernels.flash_fwd import _configs
+
+    for c in _configs() + _dkdv_configs() + _dq_configs():
+        assert 128 % c.kwargs["BLOCK_M"] == 0 and 128 % c.kwargs["BLOCK_N"] == 0, c
+
+
 def test_triton_backward_tails_with_every_score_far_below_zero():
     """Key and query tails (19 keys, 17 queries: not whole 16-row blocks) where every score is about
     -1000: the log-sum-exp is then so negative that exp2(0 - lse) on a padded key overflows, so
