@@ -202,14 +202,15 @@ def peak_over(fn) -> tuple[object, int]:
     return out, torch.cuda.max_memory_allocated() - before
 
 
-def timed_ms(fn) -> float:
-    """Wall time of one call of ``fn`` in ms, between CUDA events."""
+def timed_ms(fn, calls: int = 1) -> float:
+    """Wall time per call of ``calls`` back-to-back calls of ``fn`` in ms, between CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(calls):
+        fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / calls
 
 
 def use_variant(unet, variant: str) -> None:
@@ -221,16 +222,35 @@ def use_variant(unet, variant: str) -> None:
         sdpatch.patch_unet(unet, backend=variant)
 
 
-def alternating_median_ms(unet, variants, fn, reps: int = 9) -> dict[str, float]:
-    """Median ms of ``fn`` under each variant, the variants' calls alternating, so that a drift in
-    host load (another job on the machine) reaches each alike: v2's runs, timed one variant after
-    the other, disagreed by up to 30 % on host-bound calls."""
+def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> dict[str, list[float]]:
+    """ms per call of ``fn`` under each variant, one figure per round. The variants take turns, each
+    round in the reverse order of the one before (ABBA), so that a drift in host load (another job
+    on the machine) reaches each alike and neither always runs first: v2's runs, timed one variant
+    after the other, disagreed by up to 30 % on host-bound calls. After each switch one untimed call
+    settles the allocator's cache; then ``block`` calls run back to back, as in a real loop, and are
+    timed together."""
     times = {v: [] for v in variants}
-    for _ in range(reps):
-        for v in variants:
+    order = list(variants)
+    for _ in range(rounds):
+        for v in order:
             use_variant(unet, v)
-            times[v].append(timed_ms(fn))
-    return {v: statistics.median(t) for v, t in times.items()}
+            fn()
+            times[v].append(timed_ms(fn, block))
+        order.reverse()
+    return times
+
+
+def alternating_median_ms(unet, variants, fn, rounds: int = 9, block: int = 3) -> dict[str, float]:
+    """The median of :func:`alternating_times` for each variant."""
+    return {v: statistics.median(t) for v, t in alternating_times(unet, variants, fn, rounds, block).items()}
+
+
+def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Median, lower and upper quartile of the per-round ratios ``times[i] / base[i]``: rounds ran
+    side by side, so their ratio cancels the host load they shared."""
+    ratios = sorted(t / b for t, b in zip(times, base))
+    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return med, q1, q3
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -247,7 +267,7 @@ def environment() -> dict:
     except (OSError, IndexError):
         driver = None
     return {
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "driver": driver,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

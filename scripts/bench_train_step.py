@@ -5,26 +5,32 @@
 SD 1.5-architecture UNet with random fp32 weights, fp16 autocast, batch 4, at 512² and 768²,
 gradient checkpointing off and on. A step is forward, MSE loss against noise, and backward
 (the optimizer's memory does not depend on attention, so it is left out). Reports peak memory
-allocated over the weights, median ms per step (the variants' steps alternate, so that host load
-from elsewhere reaches both alike), and conv_in's gradient (every layer's gradient
-flows into it) against stock's and against an fp32 step without autocast: fp16 rounding through a
-random-weight UNet moves that gradient by percents, so the fp32 figures say whether sdpatch's
-gradient is any further from the exact one than stock's is.
+allocated over the weights, median ms per step, and the time ratio to stock as the median (and
+quartiles) of the ratios of rounds run side by side: blocks of three steps of each variant in turn,
+in ABBA order (``_bench.alternating_times``), so that host load from elsewhere reaches both alike
+(the lent hosts' load moved the same stock step by half between calls). Then conv_in's gradient
+(every layer's gradient flows into it) against stock's and against an fp32 step without autocast:
+fp16 rounding through a random-weight UNet moves that gradient by percents, so the fp32 figures say
+whether sdpatch's gradient is any further from the exact one than stock's is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 from sdpatch.models import build_preset
 
-from _bench import alternating_median_ms, environment, peak_over, rel_err, train_step, unet_inputs, use_variant
+from _bench import alternating_times, environment, paired_ratio, peak_over, rel_err, train_step, unet_inputs, use_variant
 
 SIZES = [512, 768]
 BATCH = 4
 VARIANTS = ("stock", "auto")
+# Rounds per configuration: 9 gave ratio quartiles 0.90-1.26 wide on a lent host (call 3 of v6); the
+# median of 19 moves about a third less.
+ROUNDS = 19
 
 
 def main() -> None:
@@ -60,11 +66,13 @@ def main() -> None:
                     p.grad = None
                 _, peak = peak_over(step)
                 found[variant] = dict(peak=peak, grad=unet.conv_in.weight.grad.detach().clone())
-            ms = alternating_median_ms(unet, VARIANTS, step)
+            times = alternating_times(unet, VARIANTS, step, rounds=ROUNDS)
             stock = found["stock"]
             for variant, f in found.items():
+                ratio, q1, q3 = paired_ratio(times[variant], times["stock"])
                 row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=f["peak"] / 2**20,
-                           ms=ms[variant], time_ratio=ms[variant] / ms["stock"],
+                           ms=statistics.median(times[variant]), time_ratio=ratio, time_ratio_quartiles=(q1, q3),
+                           ms_rounds=times[variant],
                            grad_rel_err=None if variant == "stock" else rel_err(f["grad"], stock["grad"]),
                            grad_rel_err_fp32=rel_err(f["grad"], exact))
                 print(row, flush=True)
@@ -72,11 +80,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     env = environment()
     print(env)
-    print("| size | checkpointing | variant | peak over weights MiB | ms / step | × stock | conv_in grad rel err vs stock | vs fp32 |")
+    print("| size | checkpointing | variant | peak over weights MiB | ms / step | × stock (quartiles) | conv_in grad rel err vs stock | vs fp32 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
-        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {r['time_ratio']:.2f}"
+        q1, q3 = r["time_ratio_quartiles"]
+        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {r['time_ratio']:.2f} ({q1:.2f}–{q3:.2f})"
               f" | {err} | {r['grad_rel_err_fp32']:.1e} |")
     if args.json:
         with open(args.json, "w") as f:

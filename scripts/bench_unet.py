@@ -35,7 +35,7 @@ def run(preset: str, sizes: list[int]) -> list[dict]:
             call()  # warm-up: compile and autotune outside the numbers
             found[variant] = peak_over(call)
             torch.cuda.empty_cache()
-        ms = alternating_median_ms(unet, VARIANTS, call)
+        ms = alternating_median_ms(unet, VARIANTS, call, block=1)
         ref = found["stock"][0]
         for variant, (out, peak) in found.items():
             row = dict(preset=preset, size=size, variant=variant, peak_mib=peak / 2**20, ms=ms[variant],

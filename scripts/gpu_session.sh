@@ -3,10 +3,11 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check sanitize sweep bench unet profile probe compare train trainprof planner multi (multi takes every GPU)
+#   check sanitize sweep bench host unet profile probe compare train trainprof planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings);
-# profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step.
+# profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
+# probe=ws,exp16,bwd_tma runs those probes only (default: all); sanitize=bwd checks the backward kernels only.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -48,16 +49,21 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected. A plain run
       # first fills Triton's kernel cache: compiling under the sanitizer took over 150 s and ran out of time.
       # A plain run cut off here has only filled less of the cache: its 124 is no failure.
-      timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
-      for tool in memcheck racecheck; do
-        timeout -k 5 $(( left * 3 / 10 )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" > "$W/sanitize_$tool.log" 2>&1 || rc=$?
+      local args=; [ "$only" = bwd ] && args=--backward-only
+      timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
+      local n=2
+      for tool in memcheck racecheck; do  # the time the plain run left, shared between the two tools
+        local t_left=$(( END - $(date +%s) )); [ "$t_left" -lt "$left" ] || t_left=$left
+        timeout -k 5 $(( t_left / n-- )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize_$tool.log" 2>&1 || rc=$?
       done ;;
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
+    host) $t python3 "$REPO/scripts/bench_host.py" --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
     probe)  # kernel leads measured before the library takes them on (see each script's docstring)
-      for p in ws exp16; do
-        timeout -k 5 $(( left / 2 )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
+      local probes=(${only//,/ }); [ -n "$only" ] || probes=(ws exp16 bwd_tma)
+      for p in "${probes[@]}"; do
+        timeout -k 5 $(( left / ${#probes[@]} )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
       done ;;
     trainprof) $t python3 "$REPO/scripts/profile_unet.py" --train --sizes 512,768 > "$W/trainprof.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;

@@ -65,7 +65,7 @@ def profile_size(call, unet, label: str, size: int) -> None:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     # Outside the profiler: wall ms per call (variants alternating), and the host's time to enqueue
     # one call; where enqueueing takes as long as the call, the GPU waits for the host.
-    ms = alternating_median_ms(unet, ["stock", "auto"], call)
+    ms = alternating_median_ms(unet, ["stock", "auto"], call, block=1)
     for variant in ("stock", "auto"):
         use_variant(unet, variant)
         host = []

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from _bench import Case, probe_forward  # noqa: E402
+import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
 import probe_ws  # noqa: E402
 import sanitize_kernels  # noqa: E402
@@ -67,3 +68,38 @@ def test_forward_probe_variants_compute_attention(probe):
     assert len(checked) == len(cases) * len(names)
     for r in checked:
         assert r["rel_err"] is not None and r["rel_err"] <= RTOL[torch.float16], (r["case"], r["impl"], r["error"])
+
+
+@pytest.mark.parametrize("case", [Case("B1-H2-N64x32-D40", 1, 2, 64, 32, 40, backward=True),
+                                  Case("B2-H1-N32x48-D64", 2, 1, 32, 48, 64, backward=True)], ids=lambda c: c.name)
+def test_onepass_backward_probe_gives_gradients(case):
+    """The one-pass backward probe (its pointer-atomic path: the interpreter has no TMA reductions)
+    against float64 gradients, with two and three key blocks adding into one dQ."""
+    q, k, v, do, out, lse = probe_bwd_tma.case_tensors(case, device="cpu")
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    grads = probe_bwd_tma.onepass_bwd(do, q, k, v, out, lse, 1 / math.sqrt(case.D), config, dq_tma=False)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(attention_ref(q64, k64, v64), (q64, k64, v64), do.double())
+    for name, got, want in zip("qkv", grads, ref):
+        assert rel_err(got, want) <= RTOL[torch.float16], f"d{name}"
+
+
+def test_paired_ratio_cancels_shared_load():
+    """Rounds that ran side by side share the host's load: a variant 10 % slower than stock in every
+    round is 1.10 however much the rounds themselves differ."""
+    from _bench import paired_ratio
+
+    stock = [100.0, 180.0, 120.0, 300.0, 140.0]
+    ratio, q1, q3 = paired_ratio([1.1 * t for t in stock], stock)
+    assert (round(ratio, 6), round(q1, 6), round(q3, 6)) == (1.1, 1.1, 1.1)
+    ratio, q1, q3 = paired_ratio([110.0, 170.0, 150.0, 300.0, 140.0], stock)
+    assert ratio == 1.0 and q1 < 1.0 < q3
+
+
+def test_host_bench_times_every_call():
+    """bench_host.py's calls (forward, and forward plus backward through autograd) run and are timed."""
+    import bench_host
+
+    rows = bench_host.main("cpu", iters=2, cases=[Case("B1-H1-N16x8-D40", 1, 1, 16, 8, 40)])
+    assert sorted(r["impl"] for r in rows) == ["sdpa fwd", "sdpa fwd+bwd", "sdpatch fwd", "sdpatch fwd+bwd"]
+    assert all(r["best_us"] > 0 for r in rows)
