@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from _bench import Case, probe_forward  # noqa: E402
+from _bench import Case, case_tensors, paired_ratio, probe_forward  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
 import probe_ws  # noqa: E402
@@ -75,7 +75,7 @@ def test_forward_probe_variants_compute_attention(probe):
 def test_onepass_backward_probe_gives_gradients(case):
     """The one-pass backward probe (its pointer-atomic path: the interpreter has no TMA reductions)
     against float64 gradients, with two and three key blocks adding into one dQ."""
-    q, k, v, do, out, lse = probe_bwd_tma.case_tensors(case, device="cpu")
+    q, k, v, do, out, lse = case_tensors(case, device="cpu")
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     grads = probe_bwd_tma.onepass_bwd(do, q, k, v, out, lse, 1 / math.sqrt(case.D), config, dq_tma=False)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -87,8 +87,6 @@ def test_onepass_backward_probe_gives_gradients(case):
 def test_paired_ratio_cancels_shared_load():
     """Rounds that ran side by side share the host's load: a variant 10 % slower than stock in every
     round is 1.10 however much the rounds themselves differ."""
-    from _bench import paired_ratio
-
     stock = [100.0, 180.0, 120.0, 300.0, 140.0]
     ratio, q1, q3 = paired_ratio([1.1 * t for t in stock], stock)
     assert (round(ratio, 6), round(q1, 6), round(q3, 6)) == (1.1, 1.1, 1.1)
