@@ -404,10 +404,60 @@ def on_device(t: torch.Tensor):
 # (``CompiledKernel[grid](*args)``); older versions take another list, and keep the JIT path.
 _DIRECT_LAUNCH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
 
+try:  # triton >= 3.4 keeps its launch hooks here; 3.3 on CompiledKernel
+    from triton import knobs as _knobs
+except ImportError:
+    _knobs = None
+
+
+def launch_hooked() -> bool:
+    """Whether a profiler (Triton's proton, ...) has hooked kernel launches: then they go through
+    Triton's own launch path, which calls the hooks."""
+    if _knobs is not None:
+        hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    else:
+        from triton.compiler import CompiledKernel
+
+        hooks = (CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)  # triton >= 3.6: a chain, empty when unhooked
+
+
+def current_device_and_stream():
+    """The current CUDA device's index, and the function giving a device's current stream, as Triton has them."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_device(), driver.active.get_current_stream
+
+
+class Binary:
+    """A compiled kernel, launched straight through its C launcher (``CompiledKernel.run``).
+
+    Triton's runner (``CompiledKernel[grid]``) looks up the current device and stream, builds
+    launch metadata and has the launcher call two (empty) hook chains back in Python, every launch:
+    3-5 us of a 9-19 us launch on the lent H200 hosts (docs/benchmarks.md, v7). The kernel was
+    loaded on the device current at its first launch, and :func:`on_device` makes that device
+    current for every later launch of its plan, so only the stream is looked up per call.
+    """
+
+    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "stream")
+
+    def __init__(self, compiled, consts: tuple):
+        self.compiled, self.consts = compiled, consts
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.device, self.stream = current_device_and_stream()
+
+    def __call__(self, grid: tuple, args: tuple) -> None:
+        if launch_hooked():
+            self.compiled[grid](*args, *self.consts)
+            return
+        self.run(grid[0], grid[1], grid[2], self.stream(self.device), self.function, self.metadata, None, None, None,
+                 *args, *self.consts)
+
 
 def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
     """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
-    arguments, specializing on them, compiling or finding the binary), later straight to that binary.
+    arguments, specializing on them, compiling or finding the binary), later straight to that
+    binary (:class:`Binary`).
 
     The JIT's binding and specialization cost tens of microseconds a launch on the host, as long as
     a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
@@ -415,21 +465,26 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
     parameters; ``consts`` its constexprs and launch options.
     """
-    global _DIRECT_LAUNCH
-    entry = binaries.get(key)
-    if entry is not None:
-        binary, const_values = entry
+    binary = binaries.get(key)
+    if binary is not None:
         try:
-            binary[grid](*args, *const_values)
+            binary(grid, args)
             return
         except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
-            _DIRECT_LAUNCH = False
-            binaries.clear()
-            logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(e).__name__, e)
+            _no_direct_launch(binaries, e)
     compiled = kernel[grid](*args, **consts)
     if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
-        # The binary takes the constexprs too, in the kernel's parameter order.
-        binaries[key] = (compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
+        try:  # the binary takes the constexprs too, in the kernel's parameter order
+            binaries[key] = Binary(compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
+        except AttributeError as e:  # a Triton whose compiled kernels lack what Binary launches with
+            _no_direct_launch(binaries, e)
+
+
+def _no_direct_launch(binaries: dict, err: Exception) -> None:
+    global _DIRECT_LAUNCH
+    _DIRECT_LAUNCH = False
+    binaries.clear()
+    logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(err).__name__, err)
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:

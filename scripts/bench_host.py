@@ -7,7 +7,10 @@ A training step of SD 1.5 at 512² is host-bound on the lent H200s (the host tak
 small shapes the GPU waits on the host, and the wall time of a long run of calls without
 synchronizing is the host's time per call. For each case, forward alone (no gradient) and forward
 plus backward (inputs that require grad, as in training): best and median of 5 runs of ``ITERS``
-calls, then the top of a cProfile of sdpatch's forward plus backward, to show where its time goes.
+calls, then the top of a cProfile of sdpatch's forward plus backward, and the host time of each
+piece of sdpatch's call alone (allocation, launch plan, autograd node, backward; on CUDA the
+tuned forward launch through Triton's runner, through :class:`~sdpatch.kernels.flash_fwd.Binary`,
+and with integer pointers), to show where its time goes.
 """
 
 from __future__ import annotations
@@ -40,11 +43,68 @@ def calls(c: Case, device: str) -> dict:
     do = heads(c.Nq)
     qd, kd, vd = (t.detach() for t in (q, k, v))
     return {
+        "q, k, v": (q, k, v),
         "sdpatch fwd": lambda: sdpatch.attention(qd, kd, vd, backend="triton"),
         "sdpa fwd": lambda: F.scaled_dot_product_attention(qd, kd, vd),
         "sdpatch fwd+bwd": lambda: sdpatch.attention(q, k, v, backend="triton").backward(do),
         "sdpa fwd+bwd": lambda: F.scaled_dot_product_attention(q, k, v).backward(do),
     }
+
+
+def pieces(c: Case, device: str) -> dict:
+    """{name: zero-argument call} for the parts of one sdpatch call, each timed alone: what the
+    forward's launch, its allocations, the autograd node and the backward cost the host."""
+    from sdpatch.attention import TritonAttention
+    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels.flash_bwd import flash_attn_bwd
+
+    fns = calls(c, device)
+    q, k, v = (t.detach() for t in fns["q, k, v"])
+    qg, kg, vg = fns["q, k, v"]
+    scale = c.D**-0.5
+    for _ in range(2):  # tune, then launch from the plan: each piece below is timed warm
+        out, lse = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
+        flash_fwd.flash_attn_fwd(q, k, v, scale)
+        do = torch.randn_like(out)
+        flash_attn_bwd(do, q, k, v, out, lse, scale)
+    class Identity(torch.autograd.Function):  # the autograd engine's cost for a Python node, no kernels
+        @staticmethod
+        def forward(ctx, x):
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def direct():  # sdpatch's forward and backward without the autograd engine
+        o, m = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
+        flash_attn_bwd(do, q, k, v, o, m, scale)
+
+    found = {
+        "autograd: Python node fwd+bwd": lambda: Identity.apply(qg).backward(do),
+        "autograd: C++ node (x * 2) fwd+bwd": lambda: (qg * 2).backward(do),
+        "fwd + bwd, no autograd": direct,
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "flash_attn_fwd": lambda: flash_fwd.flash_attn_fwd(q, k, v, scale),
+        "flash_attn_fwd with lse": lambda: flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True),
+        "TritonAttention.apply": lambda: TritonAttention.apply(qg, kg, vg, scale, None),
+        "flash_attn_bwd": lambda: flash_attn_bwd(do, q, k, v, out, lse, scale),
+    }
+    plan = flash_fwd._plans[flash_fwd._plan_key(q, k, v, None, scale, False, None, None)]
+    if plan.tuned and plan.binaries:  # CUDA: the tuned launch, three ways
+        grid, scalars, _, key = plan.tuned
+        binary = plan.binaries[key]
+        args = (q, k, v, None, None, None, out, None, *scalars)
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + binary.consts
+        device_index, stream = flash_fwd.current_device_and_stream()
+        found |= {
+            "launch: Triton's runner": lambda: binary.compiled[grid](*args, *binary.consts),
+            "launch: sdpatch's Binary": lambda: binary(grid, args),
+            "launch: C launcher, int pointers": lambda: binary.run(*grid, stream(device_index), binary.function,
+                                                                    binary.metadata, None, None, None, *ints),
+            "current device and stream": lambda: stream(flash_fwd.current_device_and_stream()[0]),
+        }
+    return found
 
 
 def host_us(fn, iters: int, device: str) -> list[float]:
@@ -74,15 +134,34 @@ def profile_top(fn, iters: int, lines: int = 15) -> str:
     return out.getvalue()
 
 
+def kernel_table(fn, iters: int = 50) -> str:
+    """torch.profiler's table of a call's kernels (CUDA): their GPU time against the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
+
+
 def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES) -> list[dict]:
-    rows = []
+    rows, parts = [], []
     for c in cases:
         fns = calls(c, device)
+        del fns["q, k, v"]
         for name, fn in fns.items():
             runs = host_us(fn, iters, device)
             rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
             print(f"{c.name:14s} {name:16s} host us/call: best {min(runs):6.0f}  median {statistics.median(runs):6.0f}", flush=True)
         print(profile_top(fns["sdpatch fwd+bwd"], iters), flush=True)
+        if device == "cuda":
+            for name in ("sdpatch fwd+bwd", "sdpa fwd+bwd"):
+                print(name, kernel_table(fns[name]), sep="\n", flush=True)
+        for name, fn in pieces(c, device).items():
+            runs = host_us(fn, iters, device)
+            parts.append(dict(case=c.name, piece=name, best_us=min(runs)))
+            print(f"{c.name:14s}   {name:34s} host us/call: best {min(runs):6.1f}", flush=True)
     print(environment())
     print("| case | call | sdpatch us | SDPA us | difference us |")
     print("|---|---|---|---|---|")
@@ -91,9 +170,12 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
         for part in ("fwd", "fwd+bwd"):
             ours, theirs = best[c.name, f"sdpatch {part}"], best[c.name, f"sdpa {part}"]
             print(f"| {c.name} | {part} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |")
+    print("\n| case | piece | host us |\n|---|---|---|")
+    for p in parts:
+        print(f"| {p['case']} | {p['piece']} | {p['best_us']:.1f} |")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
+            json.dump({"env": environment(), "rows": rows, "pieces": parts}, f, indent=1)
     return rows
 
 

@@ -2,7 +2,10 @@
 
 It knows nothing about kernels. It follows ``AttnProcessor2_0.__call__`` step for step and
 replaces only the ``F.scaled_dot_product_attention`` call; which backend runs is decided by
-:func:`sdpatch.attention.choose_backend`, inside :func:`sdpatch.attention.attention`.
+:func:`sdpatch.attention.choose_backend`, inside :func:`sdpatch.attention.attention`. One step it
+leaves out where it changes nothing: the division by ``rescale_output_factor`` when that is 1 (every
+SD UNet), an elementwise kernel in the forward and another in the backward of each layer, which
+host-bound training steps feel.
 """
 
 from __future__ import annotations
@@ -142,4 +145,6 @@ class SdpatchAttnProcessor:
         if attn.residual_connection:
             hidden_states = hidden_states + residual
 
-        return hidden_states / attn.rescale_output_factor
+        if attn.rescale_output_factor != 1.0:  # dividing by 1 is exact: skip its kernel, and its backward's
+            hidden_states = hidden_states / attn.rescale_output_factor
+        return hidden_states

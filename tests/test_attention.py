@@ -353,49 +353,95 @@ def test_a_layout_seen_before_launches_from_its_plan(monkeypatch):
     assert torch.allclose(lse.double(), torch.logsumexp(s, -1) * flash_fwd.LOG2E, atol=1e-3)
 
 
-def test_launch_goes_to_the_binary_after_the_first_call(monkeypatch):
-    """After its first launch of a key through Triton's JIT, :func:`launch` calls the compiled
-    binary with every parameter in order, constexprs included; a launcher that refuses that
-    list turns direct launches off and goes back to the JIT."""
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records launches through its C launcher (``run``)
+    and through its runner (``compiled[grid](*args)``)."""
+
+    function, packed_metadata = 0xF00, (4, 1, 0)
+
+    def __init__(self, calls, refuse=False):
+        self.calls, self.refuse = calls, refuse
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        if self.refuse:
+            raise TypeError("launcher wants other arguments")
+        assert (function, metadata, launch_metadata, enter_hook, exit_hook) == (0xF00, (4, 1, 0), None, None, None)
+        self.calls.append(("binary", (gx, gy, gz), stream, args))
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("runner", grid, args))
+
+
+class _Kernel:
+    arg_names = ["X", "N", "BLOCK", "FLAG"]
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __getitem__(self, grid):
+        def run(*args, **consts):
+            self.compiled.calls.append(("jit", grid, args, consts))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def direct_launch(monkeypatch):
+    """Direct launches on, as on a CUDA device with triton >= 3.3; device 3's stream is 0x5EA."""
     from sdpatch.kernels import flash_fwd
-
-    calls = []
-
-    class Binary:
-        def __init__(self, refuse=False):
-            self.refuse = refuse
-
-        def __getitem__(self, grid):
-            def run(*args):
-                if self.refuse:
-                    raise TypeError("launcher wants other arguments")
-                calls.append(("binary", grid, args))
-            return run
-
-    class Kernel:
-        arg_names = ["X", "N", "BLOCK", "FLAG"]
-
-        def __init__(self, binary):
-            self.binary = binary
-
-        def __getitem__(self, grid):
-            def run(*args, **consts):
-                calls.append(("jit", grid, args, consts))
-                return self.binary
-            return run
 
     monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
     monkeypatch.setattr(flash_fwd, "_DIRECT_LAUNCH", True)
+    monkeypatch.setattr(flash_fwd, "current_device_and_stream", lambda: (3, {3: 0x5EA}.get))
+    return flash_fwd
+
+
+def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
+    """After its first launch of a key through Triton's JIT, :func:`launch` calls the compiled
+    binary's C launcher with every parameter in order, constexprs included, on the current stream
+    of the device it was first launched on, and no launch hooks; a launcher that refuses that
+    list turns direct launches off and goes back to the JIT."""
+    flash_fwd = direct_launch
+    calls = []
     binaries = {}
     consts = {"FLAG": True, "BLOCK": 16, "num_warps": 4}
     for _ in range(2):
-        flash_fwd.launch(Kernel(Binary()), (2, 1, 1), ("x", 7), consts, binaries, "key")
-    assert calls == [("jit", (2, 1, 1), ("x", 7), consts), ("binary", (2, 1, 1), ("x", 7, 16, True))]
+        flash_fwd.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), consts, binaries, "key")
+    assert calls == [("jit", (2, 1, 1), ("x", 7), consts), ("binary", (2, 1, 1), 0x5EA, ("x", 7, 16, True))]
 
     calls.clear()
-    refusing = {"key": (Binary(refuse=True), (16, True))}
-    flash_fwd.launch(Kernel(Binary()), (1, 1, 1), ("x", 7), consts, refusing, "key")
+    refusing = {"key": flash_fwd.Binary(_Compiled(calls, refuse=True), (16, True))}
+    flash_fwd.launch(_Kernel(_Compiled(calls)), (1, 1, 1), ("x", 7), consts, refusing, "key")
     assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not flash_fwd._DIRECT_LAUNCH
+
+
+def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
+    """With a launch hook registered (a profiler such as proton), the binary is launched through
+    Triton's runner, which calls the hooks, instead of straight through its C launcher."""
+    flash_fwd = direct_launch
+    calls = []
+    binary = flash_fwd.Binary(_Compiled(calls), (16, True))
+    monkeypatch.setattr(flash_fwd, "launch_hooked", lambda: True)
+    flash_fwd.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), {}, {"key": binary}, "key")
+    assert calls == [("runner", (2, 1, 1), ("x", 7, 16, True))]
+
+
+def test_launch_hooks_are_seen():
+    """:func:`launch_hooked` notices a hook added the way proton adds its own, and its removal."""
+    from sdpatch.kernels import flash_fwd
+
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this triton's launch hook is a plain attribute")
+    assert not flash_fwd.launch_hooked()
+    hook = lambda metadata: None  # noqa: E731
+    chain.add(hook)
+    try:
+        assert flash_fwd.launch_hooked()
+    finally:
+        chain.remove(hook)
+    assert not flash_fwd.launch_hooked()
 
 
 @pytest.mark.parametrize("n_q,n_k,expect", [(16384, 16384, True), (4096, 4096, False), (65536, 77, False)],

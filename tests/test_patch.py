@@ -284,6 +284,26 @@ def test_upcast_config_in_half_precision(dtype):
     assert rel_err(out, ref) <= HALF_VS_STOCK * rel_err(stock, ref)
 
 
+@pytest.mark.parametrize("factor", [1.0, 2.5], ids=["rescale-1", "rescale-2.5"])
+def test_output_rescale_and_residual(factor):
+    """The recipe's last steps on a layer that uses them (the VAE's attention: residual connection,
+    4-D input): the output matches stock's, and is bitwise stock's with backend="sdpa", with the
+    division by a factor of 1 left out."""
+    torch.manual_seed(0)
+    attn = Attention(32, heads=2, dim_head=16, norm_num_groups=8, residual_connection=True,
+                     rescale_output_factor=factor, _from_deprecated_attn_block=True)
+    x = torch.randn(2, 32, 5, 7)
+    with torch.no_grad():
+        ref = attn(x)
+        for backend in ("chunked", "sdpa"):
+            attn.set_processor(SdpatchAttnProcessor("vae", backend=backend))
+            out = attn(x)
+            assert rel_err(out, ref) <= FP32_RTOL
+            if backend == "sdpa":
+                assert torch.equal(out, ref)
+            attn.set_processor(ap.AttnProcessor2_0())
+
+
 def test_chunk_budget_reaches_attention(sd15, attention_calls):
     kw = arch.unet_inputs(sd15)
     ref = run(sd15, kw)

@@ -101,3 +101,7 @@ def test_host_bench_times_every_call():
     rows = bench_host.main("cpu", iters=2, cases=[Case("B1-H1-N16x8-D40", 1, 1, 16, 8, 40)])
     assert sorted(r["impl"] for r in rows) == ["sdpa fwd", "sdpa fwd+bwd", "sdpatch fwd", "sdpatch fwd+bwd"]
     assert all(r["best_us"] > 0 for r in rows)
+    found = bench_host.pieces(Case("B1-H1-N16x16-D40", 1, 1, 16, 16, 40), "cpu")
+    assert "flash_attn_bwd" in found and not any(name.startswith("launch") for name in found)  # no binaries on CPU
+    for fn in found.values():
+        fn()
