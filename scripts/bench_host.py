@@ -34,21 +34,36 @@ CASES = [Case("self 256", 2, 8, 256, 256, 40), Case("cross 256x77", 2, 8, 256, 7
 ITERS = 200
 
 
-def calls(c: Case, device: str) -> dict:
-    """{name: zero-argument call} on q, k, v laid out as diffusers' processors pass them."""
+def inputs(c: Case, device: str) -> tuple:
+    """q, k, v requiring grad, laid out as diffusers' processors pass them, and a gradient dO."""
     def heads(n):  # (B, N, H*D) projections viewed as (B, H, N, D)
         return torch.randn(c.B, n, c.H * c.D, device=device, dtype=torch.float16).view(c.B, n, c.H, c.D).transpose(1, 2)
 
-    q, k, v = (heads(n).requires_grad_() for n in (c.Nq, c.Nk, c.Nk))
-    do = heads(c.Nq)
+    return *(heads(n).requires_grad_() for n in (c.Nq, c.Nk, c.Nk)), heads(c.Nq)
+
+
+def calls(c: Case, device: str) -> dict:
+    """{name: zero-argument call}: sdpatch's and SDPA's forward, and forward plus backward."""
+    q, k, v, do = inputs(c, device)
     qd, kd, vd = (t.detach() for t in (q, k, v))
     return {
-        "q, k, v": (q, k, v),
         "sdpatch fwd": lambda: sdpatch.attention(qd, kd, vd, backend="triton"),
         "sdpa fwd": lambda: F.scaled_dot_product_attention(qd, kd, vd),
         "sdpatch fwd+bwd": lambda: sdpatch.attention(q, k, v, backend="triton").backward(do),
         "sdpa fwd+bwd": lambda: F.scaled_dot_product_attention(q, k, v).backward(do),
     }
+
+
+class _Identity(torch.autograd.Function):
+    """A Python autograd node without kernels: what the autograd engine costs such a node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 def pieces(c: Case, device: str) -> dict:
@@ -58,30 +73,20 @@ def pieces(c: Case, device: str) -> dict:
     from sdpatch.kernels import flash_fwd
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
 
-    fns = calls(c, device)
-    q, k, v = (t.detach() for t in fns["q, k, v"])
-    qg, kg, vg = fns["q, k, v"]
+    qg, kg, vg, do = inputs(c, device)
+    q, k, v = (t.detach() for t in (qg, kg, vg))
     scale = c.D**-0.5
     for _ in range(2):  # tune, then launch from the plan: each piece below is timed warm
         out, lse = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
         flash_fwd.flash_attn_fwd(q, k, v, scale)
-        do = torch.randn_like(out)
         flash_attn_bwd(do, q, k, v, out, lse, scale)
-    class Identity(torch.autograd.Function):  # the autograd engine's cost for a Python node, no kernels
-        @staticmethod
-        def forward(ctx, x):
-            return torch.empty_like(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
 
     def direct():  # sdpatch's forward and backward without the autograd engine
         o, m = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
         flash_attn_bwd(do, q, k, v, o, m, scale)
 
     found = {
-        "autograd: Python node fwd+bwd": lambda: Identity.apply(qg).backward(do),
+        "autograd: Python node fwd+bwd": lambda: _Identity.apply(qg).backward(do),
         "autograd: C++ node (x * 2) fwd+bwd": lambda: (qg * 2).backward(do),
         "fwd + bwd, no autograd": direct,
         "torch.empty_like(q)": lambda: torch.empty_like(q),
@@ -149,7 +154,6 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
     rows, parts = [], []
     for c in cases:
         fns = calls(c, device)
-        del fns["q, k, v"]
         for name, fn in fns.items():
             runs = host_us(fn, iters, device)
             rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
