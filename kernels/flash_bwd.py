@@ -470,8 +470,7 @@ def flash_attn_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     BH, splits = B * H, plan.splits
-    delta = _delta(q)
-    dk_out, dv_out = _dkdv_targets(dk, dv, splits)
+    delta, dk_out, dv_out = _scratch(q, dk, dv, splits)
     dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
     config = config or plan.configs
     if config is not None:
@@ -499,17 +498,14 @@ def flash_attn_bwd(
     return dq, dk, dv
 
 
-def _delta(q: torch.Tensor) -> torch.Tensor:
-    """The buffer of delta = rowsum(dO * O), fp32 (B, H, Nq): written by the dQ kernel, read by dK/dV's."""
-    return torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-
-
-def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the dK/dV kernel writes: dK and dV themselves, or with query splits one contiguous fp32
+def _scratch(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, ...]:
+    """delta's buffer (rowsum(dO * O), fp32 (B, H, Nq): written by the dQ kernel, read by dK/dV's),
+    and where the dK/dV kernel writes: dK and dV themselves, or with query splits one contiguous fp32
     partial sum per split, (splits, B, H, Nk, D) each, which :func:`_sum_splits` adds."""
+    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if splits == 1:
-        return dk, dv
-    return tuple(torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32))
+        return delta, dk, dv
+    return delta, *torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32)
 
 
 def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None):
@@ -524,7 +520,7 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
     if buffers is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        buffers = (dq, dk, dv, _delta(q), *_dkdv_targets(dk, dv, plan.splits))
+        buffers = (dq, dk, dv, *_scratch(q, dk, dv, plan.splits))
     dq, dk, dv, delta, dk_out, dv_out = buffers
     with on_device(q):
         # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.

@@ -439,18 +439,18 @@ class Binary:
     current for every later launch of its plan, so only the stream is looked up per call.
     """
 
-    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "stream")
+    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream")
 
     def __init__(self, compiled, consts: tuple):
         self.compiled, self.consts = compiled, consts
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.device, self.stream = current_device_and_stream()
+        self.device, self.current_stream = current_device_and_stream()
 
     def __call__(self, grid: tuple, args: tuple) -> None:
         if launch_hooked():
             self.compiled[grid](*args, *self.consts)
             return
-        self.run(grid[0], grid[1], grid[2], self.stream(self.device), self.function, self.metadata, None, None, None,
+        self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
                  *args, *self.consts)
 
 
