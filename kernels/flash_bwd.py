@@ -1,19 +1,15 @@
 """FlashAttention-2-style backward kernels: dQ, dK, dV by recomputing scores block by block.
 
-Only O and the base-2 log-sum-exp from the forward pass are kept. Two launches (three with few keys),
-or with at most 128 keys and head dims up to 64 one pass (two launches with query splits):
+Only O and the base-2 log-sum-exp from the forward pass are kept. Two launches (three with few keys):
 
 1. ``_bwd_dq_kernel``: one program per query block; computes delta = rowsum(dO * O) for its rows
    (stored for step 2), then loops over key blocks and accumulates dQ.
 2. ``_bwd_dkdv_kernel``: one program per key block; loops over query blocks, accumulates dK, dV.
    With few keys (77 text tokens) several programs share a key block's query blocks and write fp32
    partial sums, which ``_bwd_sum_splits`` adds.
-3. ``_bwd_one_pass_kernel``, instead of 1 and 2 where one program can hold every key (77 text tokens):
-   each program walks its share of a head's query blocks once and computes dQ whole and dK, dV
-   (partial sums with several splits), recomputing P and dS once per tile instead of twice.
 
 Each launch costs the host as much as a whole kernel at 77 keys: v2's separate delta kernel and
-four PyTorch ops adding the partial sums made 7 launches there; v7 made 3, the one pass 2.
+four PyTorch ops adding the partial sums made 7 launches there, now 3.
 
 Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
 deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
@@ -66,21 +62,6 @@ def _load_cols(ptrs, stride_d, offs_d, d_valid, col_valid, DOT_FP32: tl.constexp
     if DOT_FP32:
         t = t.to(tl.float32)
     return t
-
-
-@triton.jit
-def _store_dkdv(DK, DV, split_off, off_b, off_h, cols, n_valid,
-                stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                sm_scale, offs_d, d_valid, dk, dv, ALIGN: tl.constexpr):
-    """One head-dim part of a key block's dK (scaled here) and dV, ``split_off`` elements in: a query
-    split's fp32 partial sums, or the gradients themselves."""
-    dk_rows = (DK + split_off + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN)
-               + tl.multiple_of(cols * stride_dkn, ALIGN))
-    dv_rows = (DV + split_off + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN)
-               + tl.multiple_of(cols * stride_dvn, ALIGN))
-    valid = n_valid[:, None] & d_valid[None, :]
-    tl.store(dk_rows[:, None] + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(DK.dtype.element_ty), mask=valid)
-    tl.store(dv_rows[:, None] + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -198,13 +179,19 @@ def _bwd_dkdv_kernel(
 
     # One split writes dK and dV themselves; several write fp32 partial sums that the launcher adds.
     split_off = pid_s.to(tl.int64) * stride_split
-    _store_dkdv(DK, DV, split_off, off_b, off_h, cols, n_valid,
-                stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                sm_scale, offs_da, da_valid, dka, dva, ALIGN)
+    dk_rows = (DK + split_off + tl.multiple_of(off_b * stride_dkb + off_h * stride_dkh, ALIGN)
+               + tl.multiple_of(cols * stride_dkn, ALIGN))
+    dv_rows = (DV + split_off + tl.multiple_of(off_b * stride_dvb + off_h * stride_dvh, ALIGN)
+               + tl.multiple_of(cols * stride_dvn, ALIGN))
+    tl.store(dk_rows[:, None] + offs_da[None, :] * stride_dkd, (dka * sm_scale).to(DK.dtype.element_ty),
+             mask=n_valid[:, None] & da_valid[None, :])
+    tl.store(dv_rows[:, None] + offs_da[None, :] * stride_dvd, dva.to(DV.dtype.element_ty), mask=n_valid[:, None] & da_valid[None, :])
     if BLOCK_DB > 0:
-        _store_dkdv(DK, DV, split_off, off_b, off_h, cols, n_valid,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                    sm_scale, offs_db, db_valid, dkb, dvb, ALIGN)
+        tl.store(dk_rows[:, None] + offs_db[None, :] * stride_dkd, (dkb * sm_scale).to(DK.dtype.element_ty),
+                 mask=n_valid[:, None] & db_valid[None, :])
+        tl.store(dv_rows[:, None] + offs_db[None, :] * stride_dvd, dvb.to(DV.dtype.element_ty),
+                 mask=n_valid[:, None] & db_valid[None, :])
+
 
 @triton.jit
 def _bwd_dq_kernel(
@@ -308,141 +295,6 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_one_pass_kernel(
-    Q, K, V, Mask, DO, Out, DQ, DK, DV, Lse,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_split,  # DK and DV: elements between the partial sums of consecutive query splits
-    H, BH, N_Q, N_K,
-    n_splits,  # programs per head, each over its own share of the query blocks
-    sm_scale,
-    qk_scale,  # sm_scale * LOG2E
-    HEAD_DIM: tl.constexpr,
-    BLOCK_DA: tl.constexpr,
-    BLOCK_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # every key: N_K <= BLOCK_N
-    MASK_KIND: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
-    ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
-    FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
-    EVEN_M: tl.constexpr,  # N_Q % BLOCK_M == 0: no query-tail masking
-    EVEN_N: tl.constexpr,  # N_K == BLOCK_N: no key-tail masking
-):
-    """dQ, dK and dV in one pass when one program holds every key (77 text tokens in 128 rows).
-
-    Each program walks its share of a head's query blocks once: P and dS are recomputed once per
-    tile, not once for dQ and again for dK/dV (5 matrix multiplies per tile instead of 7, one
-    exponential instead of two), delta = rowsum(dO * O) stays in registers, and dQ rows are whole
-    when stored. dK and dV are this split's partial sums (fp32) or, with one split, the gradients.
-    """
-    pid_s = tl.program_id(0)
-    pid_bh, off_b, off_h = _batch_head(H)
-    if pid_bh >= BH:
-        return
-    m_per_split = tl.cdiv(tl.cdiv(N_Q, BLOCK_M), n_splits) * BLOCK_M
-    m_lo = pid_s * m_per_split
-    m_hi = tl.minimum(N_Q, m_lo + m_per_split)
-
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_valid = offs_n < N_K
-    cols = offs_n.to(tl.int64)
-    rows = m_lo.to(tl.int64) + offs_m
-
-    k_rows = K + tl.multiple_of(off_b * stride_kb + off_h * stride_kh, ALIGN) + tl.multiple_of(cols * stride_kn, ALIGN)
-    v_rows = V + tl.multiple_of(off_b * stride_vb + off_h * stride_vh, ALIGN) + tl.multiple_of(cols * stride_vn, ALIGN)
-    q_rows = Q + tl.multiple_of(off_b * stride_qb + off_h * stride_qh, ALIGN) + tl.multiple_of(rows * stride_qm, ALIGN)
-    do_rows = DO + tl.multiple_of(off_b * stride_dob + off_h * stride_doh, ALIGN) + tl.multiple_of(rows * stride_dom, ALIGN)
-    o_rows = Out + tl.multiple_of(off_b * stride_ob + off_h * stride_oh, ALIGN) + tl.multiple_of(rows * stride_om, ALIGN)
-    dq_rows = DQ + tl.multiple_of(off_b * stride_dqb + off_h * stride_dqh, ALIGN) + tl.multiple_of(rows * stride_dqm, ALIGN)
-    if MASK_KIND != 0:
-        mask_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + rows[:, None] * stride_mm + cols[None, :] * stride_mn
-    lse_ptrs = Lse + pid_bh.to(tl.int64) * N_Q + rows
-
-    offs_da = tl.arange(0, BLOCK_DA)
-    da_valid = offs_da < HEAD_DIM
-    ka = _load_rows(k_rows, stride_kd, offs_da, da_valid, n_valid, DOT_FP32)
-    va = _load_rows(v_rows, stride_vd, offs_da, da_valid, n_valid, DOT_FP32)
-    dka = tl.zeros([BLOCK_N, BLOCK_DA], dtype=tl.float32)
-    dva = tl.zeros([BLOCK_N, BLOCK_DA], dtype=tl.float32)
-    if BLOCK_DB > 0:
-        offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
-        db_valid = offs_db < HEAD_DIM
-        kb = _load_rows(k_rows, stride_kd, offs_db, db_valid, n_valid, DOT_FP32)
-        vb = _load_rows(v_rows, stride_vd, offs_db, db_valid, n_valid, DOT_FP32)
-        dkb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
-        dvb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
-
-    for start_m in range(m_lo, m_hi, BLOCK_M):
-        m_valid = ((start_m + offs_m) < N_Q) | EVEN_M  # all true without a query tail: loads unmasked
-        qa = _load_rows(q_rows, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
-        doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
-        delta = tl.sum(doa.to(tl.float32) * _load_rows(o_rows, stride_od, offs_da, da_valid, m_valid, False).to(tl.float32), 1)
-        s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PRECISION)
-        dp = tl.dot(doa, tl.trans(va), input_precision=DOT_PRECISION)
-        if BLOCK_DB > 0:
-            qb = _load_rows(q_rows, stride_qd, offs_db, db_valid, m_valid, DOT_FP32)
-            dob = _load_rows(do_rows, stride_dod, offs_db, db_valid, m_valid, DOT_FP32)
-            delta += tl.sum(dob.to(tl.float32) * _load_rows(o_rows, stride_od, offs_db, db_valid, m_valid, False).to(tl.float32), 1)
-            s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PRECISION)
-            dp = tl.dot(dob, tl.trans(vb), dp, input_precision=DOT_PRECISION)
-        # Rows past N_Q (and fully masked rows: -inf) get lse = +inf, so their P rows are 0.
-        lse = tl.load(lse_ptrs, mask=m_valid, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        if not FOLD_SCALE:
-            s = s * qk_scale
-        if MASK_KIND != 0:
-            s = _masked_scores(s, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
-        elif not EVEN_N:  # a key past N_K has zero K rows, but exp2(0 - lse) may overflow: 0 * inf
-            s = tl.where(n_valid[None, :], s, float("-inf"))
-        if FOLD_SCALE:
-            p = tl.math.exp2(s * qk_scale - lse[:, None])
-        else:
-            p = tl.math.exp2(s - lse[:, None])
-
-        # -- dQ = dS K (whole: every key is here); dV += P^T dO; dK += dS^T Q -------------------
-        ds = (p * (dp - delta[:, None])).to(ka.dtype)
-        p_in = p.to(doa.dtype)
-        dqa = tl.dot(ds, ka, input_precision=DOT_PRECISION)
-        tl.store(dq_rows[:, None] + offs_da[None, :] * stride_dqd, (dqa * sm_scale).to(DQ.dtype.element_ty),
-                 mask=m_valid[:, None] & da_valid[None, :])
-        dva = tl.dot(tl.trans(p_in), doa, dva, input_precision=DOT_PRECISION)
-        dka = tl.dot(tl.trans(ds), qa, dka, input_precision=DOT_PRECISION)
-        if BLOCK_DB > 0:
-            dqb = tl.dot(ds, kb, input_precision=DOT_PRECISION)
-            tl.store(dq_rows[:, None] + offs_db[None, :] * stride_dqd, (dqb * sm_scale).to(DQ.dtype.element_ty),
-                     mask=m_valid[:, None] & db_valid[None, :])
-            dvb = tl.dot(tl.trans(p_in), dob, dvb, input_precision=DOT_PRECISION)
-            dkb = tl.dot(tl.trans(ds), qb, dkb, input_precision=DOT_PRECISION)
-
-        q_rows += BLOCK_M * stride_qm
-        do_rows += BLOCK_M * stride_dom
-        o_rows += BLOCK_M * stride_om
-        dq_rows += BLOCK_M * stride_dqm
-        lse_ptrs += BLOCK_M
-        if MASK_KIND != 0:
-            mask_ptrs += BLOCK_M * stride_mm
-
-    split_off = pid_s.to(tl.int64) * stride_split
-    _store_dkdv(DK, DV, split_off, off_b, off_h, cols, n_valid,
-                stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                sm_scale, offs_da, da_valid, dka, dva, ALIGN)
-    if BLOCK_DB > 0:
-        _store_dkdv(DK, DV, split_off, off_b, off_h, cols, n_valid,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                    sm_scale, offs_db, db_valid, dkb, dvb, ALIGN)
-
-
-@triton.jit
 def _bwd_sum_splits(
     DKP, DVP, DK, DV,
     stride_pb, stride_ph, stride_pn,  # the fp32 partial sums: each split a contiguous (B, H, N_K, D)
@@ -487,14 +339,6 @@ def _dq_configs():
     return tile_configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)])
 
 
-def _one_pass_configs():
-    """One-pass tiles: BLOCK_M queries per step, num_warps, num_stages (BLOCK_N is the keys rounded
-    up to a power of two). Its accumulators for 128 keys x 64 take 64 KB of registers, so 8 warps
-    are candidates beside 4; swept by ``scripts/sweep_configs.py``."""
-    tiles = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2)]
-    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=st) for bm, w, st in tiles]
-
-
 def _prune(configs, named_args, **kwargs):
     """A padded 256-wide head keeps tiles of at most 64 x 64: five such tiles live at once."""
     if kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256:
@@ -514,32 +358,19 @@ def _tuned(kernel, configs):
 
 _dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
 _dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
-_one_pass_tuned = _tuned(_bwd_one_pass_kernel, _one_pass_configs())
-
-# The one pass holds a head's every key in one tile, and dK, dV for them in fp32 registers:
-# 128 keys (CLIP's 77 rounded up) at head dims up to 64 (SD 2.x, SDXL, SD 1.x's first level).
-ONE_PASS_MAX_KEYS = 128
-ONE_PASS_MAX_HEAD_DIM = 64
-
-
-def one_pass_fits(n_k: int, head_dim: int) -> bool:
-    """Whether :func:`flash_attn_bwd` can run in one pass: every key in one tile (up to 128), and
-    head dims up to 64, whose tiling is one padded tile of at most 64 (:func:`tiling`)."""
-    return n_k <= ONE_PASS_MAX_KEYS and head_dim <= ONE_PASS_MAX_HEAD_DIM
-
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device, one_pass: bool = False) -> int:
-    """Programs per key block (per head in one pass): enough for about two programs per SM, none
-    below 128 queries each. Self-attention at SD sizes already has that many key blocks (1); 77 text
-    tokens, two key blocks a head, get 8 at (2, 8, 4096) on an H200, 16 in one pass."""
+def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
+    """dK/dV programs per key block: enough for about two programs per SM, none below 128 queries
+    each. Self-attention at SD sizes already has that many key blocks (1); 77 text tokens, two key
+    blocks a head, get 8 at (2, 8, 4096) on an H200."""
     if device.type != "cuda":
         return 1
-    programs = bh if one_pass else cdiv(n_k, 64) * bh
+    programs = cdiv(n_k, 64) * bh
     return max(1, min(cdiv(n_q, 128), 2 * _sm_count(device) // programs))
 
 
@@ -554,11 +385,9 @@ class _BwdPlan:
     meta: dict
     block_d: int  # the partial-sum kernel's padded head dim
     splits: int
-    one_pass: bool  # one kernel (every key in one BLOCK_N tile) instead of the dQ and dK/dV kernels
-    block_n: int  # the one pass's key tile
-    configs: tuple[dict, ...] | None = None  # tuned tiles: (one pass,) or (dK/dV, dQ)
+    configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
-    tuned: tuple | None = None  # each launch's (grid, scalars, constexprs, binary key) with the tuned tiles
+    tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
     sums: tuple | None = None  # the partial-sum kernel's (grid, scalars, constexprs), with query splits
 
 
@@ -568,65 +397,39 @@ class _BwdPlan:
 _bwd_plans: dict[tuple, _BwdPlan] = {}
 
 
-def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits, one_pass) -> _BwdPlan:
+def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits) -> _BwdPlan:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert do.shape == q.shape, f"dO {tuple(do.shape)} must match q {tuple(q.shape)}"
     assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
-    fits = one_pass_fits(Nk, D)
-    assert fits or not one_pass, (
-        f"one_pass needs at most {ONE_PASS_MAX_KEYS} keys and head dim {ONE_PASS_MAX_HEAD_DIM}, got {Nk} and {D}")
-    one_pass = fits if one_pass is None else one_pass
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, out, *grads)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
-    splits = default_query_splits(Nq, Nk, B * H, q.device, one_pass) if query_splits is None else query_splits
+    splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
-    configs = ((_INTERPRET_CONFIG,) * (1 if one_pass else 2)) if interpreting() else None
-    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits,
-                    one_pass, max(16, triton.next_power_of_2(Nk)), configs)
+    configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG) if interpreting() else None
+    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits, configs)
 
 
 def dkdv_grid(n_k: int, bh: int, splits: int, block_n: int) -> tuple[int, int, int]:
-    """The dK/dV kernel's grid: key blocks x query splits on dim 0, B*H as in :func:`launch_grid`.
-    The one pass's is this grid with one key block."""
+    """The dK/dV kernel's grid: key blocks x query splits on dim 0, B*H as in :func:`launch_grid`."""
     n_blocks, *bh_dims = launch_grid(n_k, bh, block_n)
     return (n_blocks * splits, *bh_dims)
 
 
-def _bwd_scalars(plan, q, k, v, mask, do, out, dq, dk_out, dv_out, scale) -> tuple[tuple, ...]:
-    """Each launch's integer and float arguments, in the plan's order (one pass; or dQ, dK/dV):
-    fixed by a backward plan's key."""
+def _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits) -> tuple[tuple, tuple]:
+    """The dQ and dK/dV kernels' integer and float arguments: fixed by a backward plan's key."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     ms = mask.expand(B, H, Nq, Nk).stride() if mask is not None else (0, 0, 0, 0)  # broadcast dims: stride 0
     common = (*q.stride(), *k.stride(), *v.stride(), *ms, *do.stride())
     dims, scales = (H, B * H, Nq, Nk), (scale, scale * LOG2E)
-    if plan.splits > 1:  # (split, B, H, Nk, D) partial sums: one split's (B, H, Nk, D) strides, then the split stride
+    if splits > 1:  # (split, B, H, Nk, D) partial sums: one split's (B, H, Nk, D) strides, then the split stride
         dkdv_strides = (*dk_out.stride()[1:], *dv_out.stride()[1:], dk_out.stride(0))
     else:
         dkdv_strides = (*dk_out.stride(), *dv_out.stride(), 0)
-    if plan.one_pass:
-        return ((*common, *out.stride(), *dq.stride(), *dkdv_strides, *dims, plan.splits, *scales),)
-    return (*common, *out.stride(), *dq.stride(), *dims, *scales), (*common, *dkdv_strides, *dims, plan.splits, *scales)
-
-
-def _tuned_launches(plan: _BwdPlan, config: tuple[dict, ...], scalars: tuple, Nq: int, Nk: int, BH: int) -> tuple:
-    """Each launch's (grid, scalars, constexprs, binary key) with the tiles of ``config``: (one
-    pass,) or (dK/dV, dQ) tiles."""
-    if plan.one_pass:
-        tiles = {**config[0], "BLOCK_N": plan.block_n}  # the keys set BLOCK_N, whatever the config says
-        consts = {**plan.meta, "EVEN_M": Nq % tiles["BLOCK_M"] == 0, "EVEN_N": Nk == plan.block_n, **tiles}
-        return ((dkdv_grid(Nk, BH, plan.splits, plan.block_n), scalars[0], consts, ("one pass", *tiles.items())),)
-    dkdv_config, dq_config = config
-    dq_scalars, dkdv_scalars = scalars
-    return (
-        (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
-         {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())),
-        (dkdv_grid(Nk, BH, plan.splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
-         {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config}, ("dkdv", *dkdv_config.items())),
-    )
+    return (*common, *out.stride(), *dq.stride(), *dims, *scales), (*common, *dkdv_strides, *dims, splits, *scales)
 
 
 def flash_attn_bwd(
@@ -641,22 +444,17 @@ def flash_attn_bwd(
     config: dict | tuple[dict, dict] | None = None,
     split_head_dim: bool | None = None,
     query_splits: int | None = None,
-    one_pass: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with respect to q, k and v.
 
     do, q, out: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; lse: fp32 (B, H, Nq) base-2
     log-sum-exp from :func:`flash_attn_fwd`; mask as given to the forward (4-D, broadcastable).
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning: one
-    dict for every kernel (in one pass the keys set BLOCK_N), or a (dK/dV kernel, dQ kernel) pair,
-    which means two passes.
+    dict for both kernels, or a (dK/dV kernel, dQ kernel) pair.
     split_head_dim: tile the head dim as two power-of-two parts, as the forward does (80 = 64 + 16,
     160 = 128 + 32); None decides by head dim, layout and mask, by the forward's rule.
-    query_splits: programs per key block (per head in one pass), each over a share of the queries,
-    their fp32 partial sums of dK and dV added afterwards; None decides by the GPU's size (see
-    :func:`default_query_splits`).
-    one_pass: dQ, dK and dV from one kernel that holds every key (see :func:`one_pass_fits`);
-    None: wherever it fits.
+    query_splits: dK/dV programs per key block, each over a share of the queries, their fp32 partial
+    sums added afterwards; None decides by the GPU's size (see :func:`default_query_splits`).
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
     B, H, Nq, D = q.shape
@@ -664,81 +462,71 @@ def flash_attn_bwd(
     assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and lse.is_contiguous(), "lse must be contiguous fp32 (B, H, Nq)"
     key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
-           do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits, one_pass)
+           do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     plan = _bwd_plans.get(key)
     if config is None and plan is not None and plan.tuned:  # the common case: a layout seen before
         return _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask)
 
-    if isinstance(config, tuple):  # the two kernels' tiles
-        assert not one_pass, "a (dK/dV, dQ) config pair is for two passes; give one_pass=True one dict"
-        one_pass = False
-        key = (*key[:-1], False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
-    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim,
-                                                          query_splits, one_pass))
+    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     BH, splits = B * H, plan.splits
-    buffers = (dq, dk, dv, *_scratch(plan, q, dk, dv))
-    delta, dk_out, dv_out = buffers[3:]
-    scalars = _bwd_scalars(plan, q, k, v, mask, do, out, dq, dk_out, dv_out, scale)
-    config = (config,) * len(scalars) if isinstance(config, dict) else config or plan.configs
+    delta, dk_out, dv_out = _scratch(q, dk, dv, splits)
+    dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
+    config = config or plan.configs
     if config is not None:
-        tuned = _tuned_launches(plan, config, scalars, Nq, Nk, BH)
+        dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
+        tuned = (
+            (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
+             {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())),
+            (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
+             {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config}, ("dkdv", *dkdv_config.items())),
+        )
         if config is plan.configs:  # later calls of this layout reuse the whole launch
             plan.tuned = tuned
-        return _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, buffers)
+        return _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, (dq, dk, dv, delta, dk_out, dv_out))
 
-    # This layout's first call: the autotuner picks the tiles. EVEN_M and EVEN_N depend on the tuned
-    # tiles; every candidate BLOCK_M and BLOCK_N divides 128.
+    # This layout's first call: the autotuner picks the tiles. dQ first: it also computes delta,
+    # which the dK/dV kernel reads. EVEN_N and EVEN_M depend on the tuned tiles; every candidate
+    # BLOCK_N and BLOCK_M divides 128.
     with on_device(q):
-        if plan.one_pass:
-            _one_pass_tuned[dkdv_grid(Nk, BH, splits, plan.block_n)](q, k, v, mask, do, out, dq, dk_out, dv_out, lse, *scalars[0], **plan.meta,
-                                  BLOCK_N=plan.block_n, EVEN_M=Nq % 128 == 0, EVEN_N=Nk == plan.block_n)
-            plan.configs = (_config_kwargs(_one_pass_tuned.best_config),)
-        else:  # dQ first: it also computes delta, which the dK/dV kernel reads
-            _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](
-                q, k, v, mask, do, out, dq, lse, delta, *scalars[0], **plan.meta, EVEN_N=Nk % 128 == 0)
-            _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
-                q, k, v, mask, do, dk_out, dv_out, lse, delta, *scalars[1], **plan.meta, EVEN_M=Nq % 128 == 0)
-            plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
+        _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](
+            q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta, EVEN_N=Nk % 128 == 0)
+        _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
+            q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta, EVEN_M=Nq % 128 == 0)
+        plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 
 
-def _scratch(plan: _BwdPlan, q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """delta's buffer (rowsum(dO * O), fp32 (B, H, Nq): written by the dQ kernel, read by dK/dV's;
-    none in one pass, which keeps it in registers), and where dK and dV are written: dK and dV
-    themselves, or with query splits one contiguous fp32 partial sum per split, (splits, B, H, Nk, D)
-    each, which :func:`_sum_splits` adds."""
-    delta = None if plan.one_pass else torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    if plan.splits == 1:
+def _scratch(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, ...]:
+    """delta's buffer (rowsum(dO * O), fp32 (B, H, Nq): written by the dQ kernel, read by dK/dV's),
+    and where the dK/dV kernel writes: dK and dV themselves, or with query splits one contiguous fp32
+    partial sum per split, (splits, B, H, Nk, D) each, which :func:`_sum_splits` adds."""
+    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    if splits == 1:
         return delta, dk, dv
-    return delta, *torch.empty((2, plan.splits, *dk.shape), device=dk.device, dtype=torch.float32)
+    return delta, *torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32)
 
 
 def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None):
-    """The backward's launches with tiles already chosen (``tuned``: each launch's grid, scalars,
-    constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and where dK and dV are
-    written) or new ones.
+    """The backward's launches with tiles already chosen (``tuned``: each kernel's grid, scalars,
+    constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and the dK/dV kernel's
+    targets) or new ones.
 
     Every buffer is allocated before the first launch. Allocating dK and dV after dQ's launch, so
     that the host's work overlaps that kernel, was measured once (v7): its training step at 768²
     with checkpointing peaked 6 MiB above stock's, where this order had measured at or below it.
     """
+    (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
     if buffers is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        buffers = (dq, dk, dv, *_scratch(plan, q, dk, dv))
+        buffers = (dq, dk, dv, *_scratch(q, dk, dv, plan.splits))
     dq, dk, dv, delta, dk_out, dv_out = buffers
     with on_device(q):
         # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
-        if plan.one_pass:
-            (grid, scalars, consts, key), = tuned
-            launch(_bwd_one_pass_kernel, grid, (q, k, v, mask, do, out, dq, dk_out, dv_out, lse, *scalars), consts,
-                   plan.binaries, key)
-        else:
-            (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
-            launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
-            launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
-                   plan.binaries, kv_key)
+        launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
+        launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
+               plan.binaries, kv_key)
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 

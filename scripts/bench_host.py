@@ -71,7 +71,7 @@ def pieces(c: Case, device: str) -> dict:
     forward's launch, its allocations, the autograd node and the backward cost the host."""
     from sdpatch.attention import TritonAttention
     from sdpatch.kernels import flash_fwd
-    from sdpatch.kernels.flash_bwd import flash_attn_bwd, one_pass_fits
+    from sdpatch.kernels.flash_bwd import flash_attn_bwd
 
     qg, kg, vg, do = inputs(c, device)
     q, k, v = (t.detach() for t in (qg, kg, vg))
@@ -95,9 +95,6 @@ def pieces(c: Case, device: str) -> dict:
         "TritonAttention.apply": lambda: TritonAttention.apply(qg, kg, vg, scale, None),
         "flash_attn_bwd": lambda: flash_attn_bwd(do, q, k, v, out, lse, scale),
     }
-    if one_pass_fits(c.Nk, c.D):  # the dQ and dK/dV kernels the one pass replaces
-        flash_attn_bwd(do, q, k, v, out, lse, scale, one_pass=False)
-        found["flash_attn_bwd, two passes"] = lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, one_pass=False)
     plan = flash_fwd._plans[flash_fwd._plan_key(q, k, v, None, scale, False, None, None)]
     if plan.tuned and plan.binaries:  # CUDA: the tuned launch, three ways
         grid, scalars, _, key = plan.tuned

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, _one_pass_tuned, flash_attn_bwd, one_pass_fits
+from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
 from sdpatch.reference import attention_ref
 
@@ -159,9 +159,7 @@ def run_case(c: Case) -> Row:
 
         first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
-        one_pass = one_pass_fits(c.Nk, c.D)
-        tuners = (_one_pass_tuned,) if one_pass else (_dkdv_tuned, _dq_tuned)
-        row.tuned_config = str([_config_kwargs(t.best_config) for t in tuners])
+        row.tuned_config = str([_config_kwargs(t.best_config) for t in (_dkdv_tuned, _dq_tuned)])
         row.first_call_s = time.perf_counter() - t0
         for name in impls:
             if graphs[name] is None:
@@ -171,8 +169,6 @@ def run_case(c: Case) -> Row:
         qd, kd, vd = (t.detach() for t in (q, k, v))
         out_f, lse = flash_attn_fwd(qd, kd, vd, scale, return_lse=True)
         measure_graph(row, "sdpatch", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
-        if one_pass:  # what the one pass buys over the dQ and dK/dV kernels
-            measure_graph(row, "two-pass", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale, one_pass=False), flops)
         # dq against float64 on a slice of rows: a row's dq depends only on that row.
         n = min(REF_ROWS, c.Nq)
         q64 = q[:1, :1, :n].detach().double().requires_grad_()
@@ -204,7 +200,7 @@ def fmt(x, spec=".0f"):
 
 def table(rows: list[Row]) -> str:
     impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
-    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma or two-pass / cudnn | rel err"
+    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn | rel err"
             " | extra MiB (sdpatch / naive) | first call s |")
     lines = [head, "|" + "---|" * (len(impls) + 7)]
     for r in rows:
@@ -214,8 +210,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.case.name} | " + " | ".join(fmt(t.get(i)) for i in impls)
             + f" | {ratio('cudnn')} | {ratio('flash')}"
-            + f" | {fmt(r.graph_tflops.get('sdpatch'))} / {fmt(r.graph_tflops.get('kv_tma', r.graph_tflops.get('two-pass')))}"
-            + f" / {fmt(r.graph_tflops.get('cudnn'))} | {fmt(r.rel_err, '.1e')}"
+            + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn'))} | {fmt(r.rel_err, '.1e')}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')} |"
         )
     return "\n".join(lines)

@@ -53,7 +53,7 @@ CASES = [
     (2, 8, 4096, 4096, 40, torch.float16, None, "bnhd"),
     (2, 8, 4097, 4097, 40, torch.bfloat16, None, "contiguous"),
     (2, 8, 1025, 77, 40, torch.float16, "padding", "bnhd"),
-    (2, 10, 4096, 77, 64, torch.bfloat16, None, "bnhd"),  # SDXL's cross-attention, in one pass
+    (2, 10, 4096, 77, 64, torch.bfloat16, None, "bnhd"),  # SDXL's cross-attention
     (2, 8, 1024, 1024, 80, torch.float16, "bool", "sliced"),
     (2, 8, 1024, 1024, 160, torch.float16, "additive", "bnhd"),
     (2, 10, 4096, 4096, 64, torch.float16, None, "bnhd"),

@@ -5,7 +5,7 @@
 
 Forward with every tile config the autotuner may pick for the shape, K and V loaded through pointers
 and, where the GPU has TMA, through descriptors, in the head-dim tiling the launcher picks itself (so the two-part tiling at head dims 80 and 160 wherever the launcher would use it), and
-backward with every pair of tiles, and in one pass with each of its tiles where it fits; at odd lengths, head dims 40, 80 and 160, cross-attention on
+backward with every pair of tiles; at odd lengths, head dims 40, 80 and 160, cross-attention on
 77 keys, masks, and misaligned views. Each forward is also checked against the float64 reference,
 so a wrong result fails too. A config that needs more shared memory than the GPU has is skipped
 (the autotuner skips it too).
@@ -18,7 +18,7 @@ import sys
 import torch
 from triton.runtime.errors import OutOfResources
 
-from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, _one_pass_configs, flash_attn_bwd, one_pass_fits
+from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _configs as fwd_configs
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, kv_tma_ok
 from sdpatch.kernels.flash_fwd import _prune as fwd_prune
@@ -74,12 +74,9 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
                 if backward_only:
                     break
         do = torch.randn_like(q)
-        configs = [tuple(_config_kwargs(c) for c in pair) for pair in zip(_dkdv_configs(), _dq_configs())]
-        if one_pass_fits(Nk, D):
-            configs += [_config_kwargs(c) for c in _one_pass_configs()]
-        for config in configs:  # a pair: the dQ and dK/dV kernels; one dict: the one pass
+        for pair in zip(_dkdv_configs(), _dq_configs()):
             try:
-                flash_attn_bwd(do, q, k, v, out, lse, scale, mask, config=config, one_pass=isinstance(config, dict))
+                flash_attn_bwd(do, q, k, v, out, lse, scale, mask, config=tuple(_config_kwargs(c) for c in pair))
             except OutOfResources:
                 continue
             launches += 1

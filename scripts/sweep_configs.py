@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels.flash_bwd import flash_attn_bwd, one_pass_fits
+from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.flash_fwd import (
     TensorDescriptor, _attn_fwd_kernel, flash_attn_fwd, fwd_args, fwd_meta, head_dim_parts, interpreting, kv_operands,
     launch_grid,
@@ -65,10 +65,6 @@ DQ_CANDIDATES = [
     (128, 64, 8, 3), (128, 128, 8, 2),
 ]
 DKDV_FIXED, DQ_FIXED = (64, 64, 4, 2), (64, 64, 4, 2)
-# One pass (at most 128 keys, head dims up to 64): BLOCK_M queries per step, num_warps, num_stages;
-# the keys set BLOCK_N.
-ONE_PASS_CANDIDATES = [(16, 4, 2), (16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (16, 8, 2), (32, 8, 2),
-                       (64, 8, 2), (64, 8, 3), (128, 8, 2)]
 
 
 # The kernel benchmark's Triton cases (65,536 tokens left out: one run takes 40 ms), and two more
@@ -97,9 +93,8 @@ def tasks(c: Case) -> list[tuple]:
     """Every (case, kind, label, config) the sweep launches."""
     if not c.backward:
         return [(c, "fwd", label, cfg) for label, *_ in fwd_variants(c) for cfg in FWD_CANDIDATES]
-    one_pass = [(c, "one_pass", "one", cfg) for cfg in ONE_PASS_CANDIDATES] if one_pass_fits(c.Nk, c.D) else []
-    return one_pass + [(c, kind, label, cfg) for label in bwd_variants(c)
-                       for kind, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)) for cfg in cands]
+    return [(c, kind, label, cfg) for label in bwd_variants(c)
+            for kind, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)) for cfg in cands]
 
 
 def launcher(task, tensors):
@@ -111,10 +106,6 @@ def launcher(task, tensors):
         split, tma = next(var[1:] for var in fwd_variants(c) if var[0] == label)
         return lambda: flash_attn_fwd(q, k, v, scale, split_head_dim=split, config=as_config(cfg), kv_tma=tma)[0]
     do, out, lse = tensors[3:]
-    if kind == "one_pass":
-        bm, w, st = cfg
-        one = {"BLOCK_M": bm, "num_warps": w, "num_stages": st}
-        return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=one, one_pass=True)
     pair = (as_config(cfg), as_config(DQ_FIXED)) if kind == "dkdv" else (as_config(DKDV_FIXED), as_config(cfg))
     return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=pair, split_head_dim=label == "split")
 

@@ -26,7 +26,6 @@ GRAD_CASES = [
     grad_case(2, 1, 20, 77, 64, "fp16", "padding"),
     grad_case(1, 1, 1, 5, 8, "fp32", "bool"),
     grad_case(1, 1, 6, 1, 1, "fp32"),
-    grad_case(1, 1, 40, 130, 40, "fp16"),  # past the one pass's 128 keys: dQ and dK/dV kernels
 ]
 
 
@@ -83,12 +82,10 @@ def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split):
         assert rel_err(g, r) <= RTOL[torch.float16], f"d{name}"
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("splits", [1, 3, 10], ids=lambda s: f"splits{s}")
-def test_triton_backward_query_splits_agree(splits, one_pass):
+def test_triton_backward_query_splits_agree(splits):
     """dK and dV are the same whether one program per key block walks every query block or
-    several share them out (10 splits of 7 query blocks leave some splits empty), in one pass or
-    in the dQ and dK/dV kernels."""
+    several share them out (10 splits of 7 query blocks leave some splits empty)."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
     from sdpatch.kernels.flash_fwd import flash_attn_fwd
 
@@ -96,7 +93,7 @@ def test_triton_backward_query_splits_agree(splits, one_pass):
     mask = make_mask("padding", 2, 2, 97, 77, torch.float16)
     out, lse = flash_attn_fwd(q, k, v, 40**-0.5, mask, return_lse=True)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(q.dtype)
-    grads = flash_attn_bwd(do, q, k, v, out, lse, 40**-0.5, mask, query_splits=splits, one_pass=one_pass)
+    grads = flash_attn_bwd(do, q, k, v, out, lse, 40**-0.5, mask, query_splits=splits)
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=mask), (q64, k64, v64), do.double())
@@ -113,32 +110,7 @@ def test_default_query_splits_fill_the_gpu_only_when_keys_are_few(monkeypatch):
     assert flash_bwd.default_query_splits(4096, 77, 16, cuda) == 8  # 32 programs -> 256
     assert flash_bwd.default_query_splits(4096, 4096, 16, cuda) == 1  # 1024 programs already
     assert flash_bwd.default_query_splits(200, 77, 1, cuda) == 2  # at least 128 queries a split
-    assert flash_bwd.default_query_splits(4096, 77, 16, cuda, one_pass=True) == 16  # one program a head
     assert flash_bwd.default_query_splits(4096, 77, 16, torch.device("cpu")) == 1
-
-
-@pytest.mark.parametrize("Nk,D,fits", [(77, 40, True), (128, 64, True), (129, 40, False), (77, 80, False)],
-                         ids=lambda x: str(x))
-def test_one_pass_only_where_every_key_fits_one_tile(Nk, D, fits):
-    """The one pass serves at most 128 keys and head dims up to 64 by default; asked for beyond
-    that, the launcher says why instead of computing wrong gradients."""
-    from sdpatch.kernels import flash_bwd
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
-
-    q, k, v = make_qkv(1, 1, 20, Nk, D, torch.float32, seed=9)
-    out, lse = flash_attn_fwd(q, k, v, 0.1, return_lse=True)
-    do = torch.randn_like(q)
-    assert flash_bwd.one_pass_fits(Nk, D) == fits
-    if not fits:
-        with pytest.raises(AssertionError, match="one_pass needs at most 128 keys and head dim 64"):
-            flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, 0.1, one_pass=True)
-        return
-    flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, 0.1)
-    plans = [p for key, p in flash_bwd._bwd_plans.items() if key[1] == q.shape and key[-1] is None]
-    assert plans and all(p.one_pass for p in plans)
-    with pytest.raises(AssertionError, match="config pair is for two passes"):
-        pair = (flash_bwd._INTERPRET_CONFIG, flash_bwd._INTERPRET_CONFIG)
-        flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, 0.1, config=pair, one_pass=True)
 
 
 def test_backward_plans_follow_the_layout():
