@@ -219,12 +219,12 @@ def table(rows: list[Row]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every number here")
-    ap.add_argument("--only", help="comma-separated substrings of case names to run")
+    ap.add_argument("--only", help='comma-separated substrings of case names to run, or "fwd" / "bwd"')
     args = ap.parse_args()
     cases = CASES
     if args.only:
         keys = args.only.split(",")
-        cases = [c for c in CASES if any(k in c.name for k in keys)]
+        cases = [c for c in CASES if any(k in c.name or k == ("bwd" if c.backward else "fwd") for k in keys)]
     rows = []
     for c in cases:
         rows.append(run_case(c))

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check sanitize sweep bench host unet profile probe compare train trainprof planner multi (multi takes every GPU)
+#   check sanitize sweep bench host unet profile probe compare train trainprof peak planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings);
 # profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
@@ -66,6 +66,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
         timeout -k 5 $(( left / ${#probes[@]} )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
       done ;;
     trainprof) $t python3 "$REPO/scripts/profile_unet.py" --train --sizes 512,768 > "$W/trainprof.log" 2>&1 || rc=$? ;;
+    peak) $t python3 "$REPO/scripts/peak_where.py" --json "$W/peak_where.json" > "$W/peak_where.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
