@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from _bench import Case, case_tensors, paired_ratio, probe_forward  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
+import peak_where  # noqa: E402
 import probe_ws  # noqa: E402
 import sanitize_kernels  # noqa: E402
 import sweep_configs  # noqa: E402
@@ -105,3 +106,27 @@ def test_host_bench_times_every_call():
     assert "flash_attn_bwd" in found and not any(name.startswith("launch") for name in found)  # no binaries on CPU
     for fn in found.values():
         fn()
+
+
+def _event(action, addr, size, line=None):
+    frames = [{"filename": "/site/diffusers/models/attention_processor.py", "line": line, "name": "__call__"}] if line else []
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+@pytest.mark.parametrize(
+    "trace,peak,alive",
+    [
+        pytest.param([_event("alloc", 1, 10, 1), _event("alloc", 2, 5, 2), _event("free_requested", 1, 10),
+                      _event("alloc", 3, 20, 3), _event("free_requested", 3, 20)],
+                     25, {"attention_processor.py:2 __call__": 5, "attention_processor.py:3 __call__": 20},
+                     id="peak-after-a-free"),
+        pytest.param([_event("alloc", 1, 30, 1), _event("free_requested", 1, 30), _event("alloc", 1, 20, 2)],
+                     30, {"attention_processor.py:1 __call__": 30}, id="address-reused-below-the-peak"),
+        pytest.param([_event("free_requested", 9, 4), _event("alloc", 2, 8)], 8, {"?": 8}, id="freed-before-recording"),
+    ],
+)
+def test_peak_replay_finds_what_is_alive_at_the_peak(trace, peak, alive):
+    """peak_where.py's replay of a recorded trace: the peak, and the bytes alive then by the line
+    that allocated them (frees of blocks allocated before recording began are ignored)."""
+    found, _, at_peak = peak_where.live_at_peak(trace)
+    assert found == peak and dict(at_peak) == alive
