@@ -37,6 +37,14 @@ PROBE_CASES = [
 ]
 
 
+def chosen(c: Case, only: str | None) -> bool:
+    """Whether the scripts' ``--only`` picks case ``c``: comma-separated terms, each a substring of
+    the case's name or "fwd" / "bwd" for every case of that kind; parts of a term joined by "+" must
+    all match ("bwd+x77": the backward cases on 77 keys). No ``--only`` picks every case."""
+    kind = "bwd" if c.backward else "fwd"
+    return not only or any(all(p in c.name or p == kind for p in term.split("+")) for term in only.split(","))
+
+
 def as_config(tile: tuple[int, int, int, int]) -> dict:
     """A launcher config from a (BLOCK_M, BLOCK_N, num_warps, num_stages) tile."""
     bm, bn, w, s = tile

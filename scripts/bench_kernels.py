@@ -33,7 +33,7 @@ from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment, peak_over
+from _bench import Case, chosen, environment, peak_over
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
@@ -219,12 +219,9 @@ def table(rows: list[Row]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write every number here")
-    ap.add_argument("--only", help='comma-separated substrings of case names to run, or "fwd" / "bwd"')
+    ap.add_argument("--only", help='case names\' substrings, "fwd" or "bwd", comma-separated; "+" joins parts (see _bench.chosen)')
     args = ap.parse_args()
-    cases = CASES
-    if args.only:
-        keys = args.only.split(",")
-        cases = [c for c in CASES if any(k in c.name or k == ("bwd" if c.backward else "fwd") for k in keys)]
+    cases = [c for c in CASES if chosen(c, args.only)]
     rows = []
     for c in cases:
         rows.append(run_case(c))

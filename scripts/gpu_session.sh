@@ -5,7 +5,8 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check sanitize sweep bench host unet profile probe compare train trainprof peak planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
-# sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings);
+# sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
+# for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
 # probe=ws,exp16,bwd_tma runs those probes only (default: all); sanitize=bwd checks the backward kernels only.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds

@@ -40,7 +40,7 @@ from sdpatch.kernels.flash_fwd import (
     launch_grid,
 )
 
-from _bench import Case, as_config, case_tensors, environment
+from _bench import Case, as_config, case_tensors, chosen, environment
 from bench_kernels import CASES as BENCH_CASES
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -174,15 +174,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     ap.add_argument("--jobs", type=int, default=12, help="compile worker processes")
-    ap.add_argument("--only", help='comma-separated substrings of case names, or "fwd" / "bwd"; '
-                    'parts joined by "+" must all match (bwd+x77: the backward cases on 77 keys)')
+    ap.add_argument("--only", help='case names\' substrings, "fwd" or "bwd", comma-separated; "+" joins parts (see _bench.chosen)')
     args = ap.parse_args()
-
-    def chosen(c: Case) -> bool:  # a case name's substring, or "fwd" / "bwd" for every case of that kind
-        kind = "bwd" if c.backward else "fwd"
-        return not args.only or any(all(p in c.name or p == kind for p in term.split("+")) for term in args.only.split(","))
-
-    cases = [c for c in CASES if chosen(c)]
+    cases = [c for c in CASES if chosen(c, args.only)]
     todo = [t for c in cases for t in tasks(c)]
 
     t0 = time.perf_counter()

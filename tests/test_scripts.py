@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from _bench import Case, case_tensors, paired_ratio, probe_forward  # noqa: E402
+from _bench import Case, case_tensors, chosen, paired_ratio, probe_forward  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
 import peak_where  # noqa: E402
@@ -130,3 +130,22 @@ def test_peak_replay_finds_what_is_alive_at_the_peak(trace, peak, alive):
     that allocated them (frees of blocks allocated before recording began are ignored)."""
     found, _, at_peak = peak_where.live_at_peak(trace)
     assert found == peak and dict(at_peak) == alive
+
+
+@pytest.mark.parametrize(
+    "only,picked",
+    [
+        (None, ["hd40 4096", "x77 hd40 4096", "bwd hd40 4096", "bwd x77 hd40 4096"]),
+        ("bwd", ["bwd hd40 4096", "bwd x77 hd40 4096"]),
+        ("fwd", ["hd40 4096", "x77 hd40 4096"]),
+        ("x77", ["x77 hd40 4096", "bwd x77 hd40 4096"]),
+        ("bwd+x77", ["bwd x77 hd40 4096"]),
+        ("fwd+x77,bwd+hd40 4096", ["x77 hd40 4096", "bwd hd40 4096", "bwd x77 hd40 4096"]),
+    ],
+    ids=lambda x: str(x),
+)
+def test_only_picks_cases_by_name_and_kind(only, picked):
+    """The benchmark scripts' --only: substrings, kinds, and parts joined by "+" that must all match."""
+    cases = [Case("hd40 4096", 1, 1, 16, 16, 40), Case("x77 hd40 4096", 1, 1, 16, 77, 40),
+             Case("bwd hd40 4096", 1, 1, 16, 16, 40, backward=True), Case("bwd x77 hd40 4096", 1, 1, 16, 77, 40, backward=True)]
+    assert [c.name for c in cases if chosen(c, only)] == picked
