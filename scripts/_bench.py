@@ -166,6 +166,15 @@ def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) 
     return kw
 
 
+def training_unet(preset: str = "sd15"):
+    """A preset's UNet as the training benchmarks use it: random fp32 weights on CUDA, train mode,
+    every parameter taking gradients."""
+    from sdpatch.models import build_preset
+
+    unet = build_preset(preset, device="cuda", dtype=torch.float32).unet
+    return unet.train().requires_grad_(True)
+
+
 def train_step(unet, kw: dict, target: torch.Tensor, autocast: bool = True):
     """One training step of ``unet`` on the call arguments ``kw``, as a closure: gradients cleared,
     forward under fp16 autocast, MSE loss against ``target``, backward (no optimizer: its memory and

@@ -21,9 +21,9 @@ import json
 import statistics
 
 import torch
-from sdpatch.models import build_preset
 
-from _bench import alternating_times, environment, paired_ratio, peak_over, rel_err, train_step, unet_inputs, use_variant
+from _bench import (alternating_times, environment, paired_ratio, peak_over, rel_err, train_step, training_unet, unet_inputs,
+                    use_variant)
 
 SIZES = [512, 768]
 BATCH = 4
@@ -37,8 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
-    unet = build_preset("sd15", device="cuda", dtype=torch.float32).unet
-    unet.train().requires_grad_(True)
+    unet = training_unet()
     params = [p for p in unet.parameters()]
     rows = []
     for size in SIZES:

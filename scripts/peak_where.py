@@ -18,9 +18,8 @@ import os
 from collections import Counter
 
 import torch
-from sdpatch.models import build_preset
 
-from _bench import environment, peak_over, train_step, unet_inputs, use_variant
+from _bench import environment, peak_over, train_step, training_unet, unet_inputs, use_variant
 
 CONFIGS = [(768, True), (768, False)]  # (size, gradient checkpointing)
 BATCH = 4
@@ -82,8 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
-    unet = build_preset("sd15", device="cuda", dtype=torch.float32).unet
-    unet.train().requires_grad_(True)
+    unet = training_unet()
     results = []
     for size, checkpointing in CONFIGS:
         kw = unet_inputs(unet, BATCH, size, torch.float32)
