@@ -515,8 +515,9 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     targets) or new ones.
 
     Every buffer is allocated before the first launch. Allocating dK and dV after dQ's launch, so
-    that the host's work overlaps that kernel, was measured once (v7): its training step at 768²
-    with checkpointing peaked 6 MiB above stock's, where this order had measured at or below it.
+    that the host's work overlaps that kernel, was measured once (v7) at 6 MiB above stock's peak
+    (768² training step with checkpointing); v8 then measured this order at the same figure, and
+    stock's own peak moving by 14 MiB between calls, so neither order is shown better for memory.
     """
     (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
     if buffers is None:
