@@ -175,6 +175,14 @@ def training_unet(preset: str = "sd15"):
     return unet.train().requires_grad_(True)
 
 
+def warm_up_step(step, unet) -> None:
+    """One call of a training ``step`` to compile and autotune, then the parameters' gradients
+    cleared: the next step's peak counts them as its own, not as memory live before it."""
+    step()
+    for p in unet.parameters():
+        p.grad = None
+
+
 def train_step(unet, kw: dict, target: torch.Tensor, autocast: bool = True):
     """One training step of ``unet`` on the call arguments ``kw``, as a closure: gradients cleared,
     forward under fp16 autocast, MSE loss against ``target``, backward (no optimizer: its memory and

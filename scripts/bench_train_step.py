@@ -23,7 +23,7 @@ import statistics
 import torch
 
 from _bench import (alternating_times, environment, paired_ratio, peak_over, rel_err, train_step, training_unet, unet_inputs,
-                    use_variant)
+                    use_variant, warm_up_step)
 
 SIZES = [512, 768]
 BATCH = 4
@@ -38,7 +38,6 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     unet = training_unet()
-    params = [p for p in unet.parameters()]
     rows = []
     for size in SIZES:
         kw = unet_inputs(unet, BATCH, size, torch.float32)
@@ -60,9 +59,7 @@ def main() -> None:
             found = {}
             for variant in VARIANTS:
                 use_variant(unet, variant)
-                step()  # warm-up: compile and autotune the kernels
-                for p in params:  # the previous step's gradients must not count as "before"
-                    p.grad = None
+                warm_up_step(step, unet)
                 _, peak = peak_over(step)
                 found[variant] = dict(peak=peak, grad=unet.conv_in.weight.grad.detach().clone())
             times = alternating_times(unet, VARIANTS, step, rounds=ROUNDS)

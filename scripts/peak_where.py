@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from _bench import environment, peak_over, train_step, training_unet, unet_inputs, use_variant
+from _bench import environment, peak_over, train_step, training_unet, unet_inputs, use_variant, warm_up_step
 
 CONFIGS = [(768, True), (768, False)]  # (size, gradient checkpointing)
 BATCH = 4
@@ -62,9 +62,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, str, Counter]:
 def measure(unet, kw, target, variant: str) -> dict:
     use_variant(unet, variant)
     step = train_step(unet, kw, target)
-    step()  # warm-up: compile and autotune the kernels
-    for p in unet.parameters():
-        p.grad = None
+    warm_up_step(step, unet)
     record = torch.cuda.memory._record_memory_history
     fresh = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
     record(stacks="python", max_entries=2_000_000, **fresh)  # no earlier variant's events

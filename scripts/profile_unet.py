@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sdpatch.models import build_preset
 
-from _bench import alternating_median_ms, train_step, unet_inputs, use_variant
+from _bench import alternating_median_ms, train_step, training_unet, unet_inputs, use_variant
 
 ATTENTION_KERNELS = ("attn", "_bwd_", "fmha", "flash", "sdpa")  # sdpatch's, PyTorch's and cuDNN's attention kernels
 
@@ -32,9 +32,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="512,1024")
     ap.add_argument("--train", action="store_true")
     args = ap.parse_args()
-    unet = build_preset(args.preset, device="cuda", dtype=torch.float32 if args.train else torch.float16).unet
-    if args.train:
-        unet.train().requires_grad_(True)
+    unet = training_unet(args.preset) if args.train else build_preset(args.preset, device="cuda", dtype=torch.float16).unet
     for size in map(int, args.sizes.split(",")):
         if args.train:
             kw = unet_inputs(unet, 4, size, torch.float32)

@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from _bench import Case, case_tensors, chosen, paired_ratio, probe_forward  # noqa: E402
+import peak_where  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
-import peak_where  # noqa: E402
 import probe_ws  # noqa: E402
 import sanitize_kernels  # noqa: E402
 import sweep_configs  # noqa: E402
