@@ -470,7 +470,7 @@ def flash_attn_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     BH, splits = B * H, plan.splits
-    delta, dk_out, dv_out = _scratch(q, dk, dv, splits)
+    delta, (dk_out, dv_out) = _delta(q), _dkdv_targets(dk, dv, splits)
     dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
     config = config or plan.configs
     if config is not None:
@@ -498,15 +498,18 @@ def flash_attn_bwd(
     return dq, dk, dv
 
 
-def _scratch(q: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, ...]:
-    """delta's buffer (rowsum(dO * O), fp32 (B, H, Nq): written by the dQ kernel, read by dK/dV's),
-    and where the dK/dV kernel writes: dK and dV themselves, or with query splits one contiguous fp32
+def _delta(q: torch.Tensor) -> torch.Tensor:
+    """delta's buffer: rowsum(dO * O), fp32 (B, H, Nq), written by the dQ kernel, read by dK/dV's."""
+    return torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+
+
+def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the dK/dV kernel writes: dK and dV themselves, or with query splits one contiguous fp32
     partial sum per split, (splits, B, H, Nk, D) each, which :func:`_sum_splits` adds."""
-    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if splits == 1:
-        return delta, dk, dv
+        return dk, dv
     # unbind(), not iteration: unpacking the tensor took 20 us of the lent host's time under cProfile (v8)
-    return delta, *torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32).unbind()
+    return torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32).unbind()
 
 
 def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None):
@@ -514,19 +517,18 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and the dK/dV kernel's
     targets) or new ones.
 
-    Every buffer is allocated before the first launch. Allocating dK and dV after dQ's launch, so
-    that the host's work overlaps that kernel, was measured once (v7) at 6 MiB above stock's peak
-    (768² training step with checkpointing); v8 then measured this order at the same figure, and
-    stock's own peak moving by 14 MiB between calls, so neither order is shown better for memory.
+    New dK and dV buffers are allocated after the dQ kernel's launch, while it runs: a call whose
+    kernels are short waits on the host's work up to its first launch (v9). Every gradient buffer
+    is alive during the dK/dV kernel either way, so the order leaves the peak as it was.
     """
     (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
-    if buffers is None:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        buffers = (dq, dk, dv, *_scratch(q, dk, dv, plan.splits))
-    dq, dk, dv, delta, dk_out, dv_out = buffers
+    dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)
     with on_device(q):
         # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
         launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
+        if dk is None:
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            dk_out, dv_out = _dkdv_targets(dk, dv, plan.splits)
         launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
                plan.binaries, kv_key)
         _sum_splits(plan, dk_out, dv_out, dk, dv)

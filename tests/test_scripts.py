@@ -95,6 +95,30 @@ def test_paired_ratio_cancels_shared_load():
     assert ratio == 1.0 and q1 < 1.0 < q3
 
 
+def test_paired_bench_times_impls_in_turns(monkeypatch):
+    """bench_kernels' paired rounds: impls alternate ABBA, and each ratio is sdpatch's speed over the
+    other impl in the same round; kernel-bound calls and missing impls are skipped."""
+    import bench_kernels
+
+    calls = []
+    monkeypatch.setattr(bench_kernels, "do_bench", lambda fn, **kw: fn())
+
+    def timed(name, ms):
+        return lambda: calls.append(name) or ms[len([c for c in calls if c == name]) - 1]
+
+    row = bench_kernels.Row(Case("x", 1, 1, 8, 8, 8), ms={"sdpatch": 0.1, "cudnn": 0.2, "flash": None})
+    fns = {"sdpatch": timed("sdpatch", [1.0, 2.0, 1.0]), "cudnn": timed("cudnn", [1.5, 3.0, 2.0])}
+    bench_kernels.measure_paired(row, fns, rounds=3)
+    assert calls == ["sdpatch", "cudnn", "cudnn", "sdpatch", "sdpatch", "cudnn"]
+    assert row.paired["cudnn"][0] == 1.5 and "flash" not in row.paired
+    assert "| 1.50 (" in bench_kernels.table([row])
+
+    for ms in ({"sdpatch": 5.0, "cudnn": 4.0}, {"sdpatch": None, "cudnn": 0.2}):  # kernel-bound; sdpatch refused
+        skipped = bench_kernels.Row(Case("x", 1, 1, 8, 8, 8), ms=ms)
+        bench_kernels.measure_paired(skipped, fns, rounds=3)
+        assert skipped.paired == {}
+
+
 def test_host_bench_times_every_call():
     """bench_host.py's calls (forward, and forward plus backward through autograd) run and are timed."""
     import bench_host
