@@ -11,6 +11,12 @@ calls, then the top of a cProfile of sdpatch's forward plus backward, and the ho
 piece of sdpatch's call alone (allocation, launch plan, autograd node, backward; on CUDA the
 tuned forward launch through Triton's runner, through :class:`~sdpatch.kernels.flash_fwd.Binary`,
 and with integer pointers), to show where its time goes.
+
+Last, on CUDA, the anatomy of one backward call at SD shapes, timed as ``do_bench`` times it (the L2
+cache cleared, then CUDA events around ``torch.autograd.grad``), for sdpatch, cuDNN and flash: the
+events' GPU time, the host's time in ``autograd.grad``, and for sdpatch where that time goes (from
+the call to its Python backward, the backward itself, and back to the caller). A call whose host
+time outlasts its kernels is timed by the host: this shows which one a per-call figure measures.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from _bench import Case, environment
 
 CASES = [Case("self 256", 2, 8, 256, 256, 40), Case("cross 256x77", 2, 8, 256, 77, 40)]
 ITERS = 200
+# The backward cases whose per-call figures the host decides (docs/benchmarks.md, v8 and v9).
+ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
 
 
 def inputs(c: Case, device: str) -> tuple:
@@ -150,6 +158,61 @@ def kernel_table(fn, iters: int = 50) -> str:
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
 
 
+def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
+    """One backward call per iteration as ``triton.testing.do_bench`` times it, for sdpatch, cuDNN
+    and flash (CUDA): medians of the events' GPU time and of the host's time in
+    ``torch.autograd.grad`` (with its 10th and 90th percentiles), and for sdpatch the host's time
+    to its Python backward, in it, and back to the caller. Each impl's first ``skip`` calls warm up."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sdpatch.attention import TritonAttention
+
+    marks = {}
+    backward = TritonAttention.backward
+
+    def marked(ctx, do):
+        marks["in"] = time.perf_counter_ns()
+        grads = backward(ctx, do)
+        marks["out"] = time.perf_counter_ns()
+        return grads
+
+    q, k, v = (torch.randn(c.B, c.H, n, c.D, device="cuda", dtype=torch.float16, requires_grad=True) for n in (c.Nq, c.Nk, c.Nk))
+    do = torch.randn_like(q)
+    outs = {"sdpatch": sdpatch.attention(q, k, v, backend="triton")}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel(backend):
+            outs[name] = F.scaled_dot_product_attention(q, k, v)
+    cache = torch.empty(256 * 2**20 // 4, dtype=torch.int, device="cuda")  # do_bench's L2 flush
+    rows = []
+    TritonAttention.backward = staticmethod(marked)
+    try:
+        for name, out in outs.items():
+            calls = []
+            for _ in range(iters):
+                cache.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter_ns()
+                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                t1 = time.perf_counter_ns()
+                end.record()
+                calls.append((start, end, t0, t1, marks.get("in"), marks.get("out")))
+            torch.cuda.synchronize()
+            calls = calls[skip:]
+            host = sorted((t1 - t0) / 1e3 for _, _, t0, t1, _, _ in calls)
+            row = dict(case=c.name, impl=name, gpu_us=statistics.median(s.elapsed_time(e) * 1e3 for s, e, *_ in calls),
+                       host_us=statistics.median(host), host_p10_us=host[len(host) // 10], host_p90_us=host[9 * len(host) // 10])
+            if name == "sdpatch":
+                row |= dict(to_backward_us=statistics.median((i - t0) / 1e3 for _, _, t0, _, i, _ in calls),
+                            backward_us=statistics.median((o - i) / 1e3 for *_, i, o in calls),
+                            back_us=statistics.median((t1 - o) / 1e3 for _, _, _, t1, _, o in calls))
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        TritonAttention.backward = backward
+    return rows
+
+
 def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES) -> list[dict]:
     rows, parts = [], []
     for c in cases:
@@ -177,9 +240,16 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
     print("\n| case | piece | host us |\n|---|---|---|")
     for p in parts:
         print(f"| {p['case']} | {p['piece']} | {p['best_us']:.1f} |")
+    anatomy = [r for c in ANATOMY_CASES for r in backward_anatomy(c)] if device == "cuda" else []
+    if anatomy:
+        print("\n| case | impl | GPU us (events) | host us in autograd.grad: median (p10-p90) | sdpatch: to backward / backward / back us |")
+        print("|---|---|---|---|---|")
+    for r in anatomy:
+        parts_us = " / ".join(f"{r[k]:.0f}" for k in ("to_backward_us", "backward_us", "back_us")) if "backward_us" in r else "–"
+        print(f"| {r['case']} | {r['impl']} | {r['gpu_us']:.0f} | {r['host_us']:.0f} ({r['host_p10_us']:.0f}–{r['host_p90_us']:.0f}) | {parts_us} |")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows, "pieces": parts}, f, indent=1)
+            json.dump({"env": environment(), "rows": rows, "pieces": parts, "anatomy": anatomy}, f, indent=1)
     return rows
 
 

@@ -78,6 +78,7 @@ class Row:
     first_call_s: float | None = None
     tuned_config: str | None = None  # the autotuner's picks for sdpatch's kernels, for pruning their lists
     paired: dict = field(default_factory=dict)  # impl -> sdpatch's speed over it per round: median, quartiles
+    rounds_ms: dict = field(default_factory=dict)  # impl -> its ms per call in each paired round
 
 
 def naive(q, k, v, scale):
@@ -122,6 +123,7 @@ def measure_paired(row: Row, fns: dict, rounds: int) -> None:
         for n in order:
             times[n].append(do_bench(fns[n], warmup=5, rep=20, return_mode="median"))
         order.reverse()
+    row.rounds_ms = times
     for n in names[1:]:
         row.paired[n] = paired_ratio(times[n], times["sdpatch"])
 
