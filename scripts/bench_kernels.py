@@ -10,8 +10,8 @@ PyTorch SDPA pinned to cuDNN, flash and efficient, and naive matmul + softmax wh
 It reports TFLOP/s (4·B·H·Nq·Nk·D forward, 2.5× that backward, with the true D), the ratio to
 cuDNN, the relative error of sdpatch against a float64 reference, the extra peak memory, the
 first-call latency of sdpatch (compile and autotune included), and kernel time alone, by CUDA-graph
-replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it) and
-cuDNN's forward: at 77 keys or 1024 tokens a call's host work
+replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it),
+cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens a call's host work
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
 the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
@@ -35,7 +35,7 @@ from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
 from sdpatch.reference import attention_ref
 
-from _bench import Case, chosen, environment, paired_ratio, peak_over
+from _bench import Case, chosen, environment, paired_ratio, peak_over, rel_err
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
@@ -106,6 +106,21 @@ def measure_graph(row: Row, impl: str, fn, flops: float) -> None:
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row.graph_tflops[impl] = None
         print(f"  {row.case.name}: {impl} not capturable: {str(e).splitlines()[0][:100]}")
+
+
+def sdpa_backward(name: str, q, k, v, do, scale: float):
+    """A call of SDPA's backward op alone (``"cudnn"`` or ``"flash"``), on a forward run here, for
+    CUDA-graph replay: autograd runs a backward on its forward's stream, outside a capture, so
+    its kernel time is taken through aten's backward op, as autograd calls it."""
+    aten = torch.ops.aten
+    q, k, v = (t.detach() for t in (q, k, v))
+    if name == "flash":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)
+        return lambda: aten._scaled_dot_product_flash_attention_backward(do, q, k, v, out, lse, cq, ck, mq, mk, 0.0, False,
+                                                                         seed, offset, scale=scale)
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, scale=scale)
+    return lambda: aten._scaled_dot_product_cudnn_attention_backward(do, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk,
+                                                                     0.0, False, scale=scale)
 
 
 def measure_paired(row: Row, fns: dict, rounds: int) -> None:
@@ -196,6 +211,19 @@ def run_case(c: Case, rounds: int) -> Row:
         qd, kd, vd = (t.detach() for t in (q, k, v))
         out_f, lse = flash_attn_fwd(qd, kd, vd, scale, return_lse=True)
         measure_graph(row, "sdpatch", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
+        for name in ("cudnn", "flash"):
+            if graphs[name] is None:
+                continue
+            try:
+                fn = sdpa_backward(name, q, k, v, do, scale)
+                err = rel_err(fn()[0], bwd(name)()[0])
+            except RuntimeError as e:
+                print(f"  {c.name}: {name} backward op unavailable: {str(e).splitlines()[0][:100]}")
+                continue
+            if err < 1e-3:  # the op as called here gives autograd's dQ for that backend: the same kernels
+                measure_graph(row, name, fn, flops)
+            else:
+                print(f"  {c.name}: {name} backward op's dQ differs from autograd's (rel err {err:.1e}); not timed")
         # dq against float64 on a slice of rows: a row's dq depends only on that row.
         n = min(REF_ROWS, c.Nq)
         q64 = q[:1, :1, :n].detach().double().requires_grad_()
@@ -233,7 +261,7 @@ def paired(stats: tuple | None) -> str:
 
 def table(rows: list[Row]) -> str:
     impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
-    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn | rel err"
+    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn / flash | rel err"
             " | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
     lines = [head, "|" + "---|" * (len(impls) + 9)]
     for r in rows:
@@ -243,7 +271,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.case.name} | " + " | ".join(fmt(t.get(i)) for i in impls)
             + f" | {ratio('cudnn')} | {ratio('flash')}"
-            + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn'))} | {fmt(r.rel_err, '.1e')}"
+            + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn', 'flash'))} | {fmt(r.rel_err, '.1e')}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')}"
             + "".join(f" | {paired(r.paired.get(i))}" for i in ("cudnn", "flash")) + " |"
         )
