@@ -8,7 +8,7 @@
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
 # for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
-# probe=ws,exp16,bwd_tma runs those probes only (default: all); sanitize=bwd checks the backward kernels only.
+# probe=ws,exp16,bwd_tma,maxnreg runs those probes only (default: all); sanitize=bwd checks the backward kernels only.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -62,7 +62,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     host) $t python3 "$REPO/scripts/bench_host.py" --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
     probe)  # kernel leads measured before the library takes them on (see each script's docstring)
-      local probes=(${only//,/ }); [ -n "$only" ] || probes=(ws exp16 bwd_tma)
+      local probes=(${only//,/ }); [ -n "$only" ] || probes=(ws exp16 bwd_tma maxnreg)
       for p in "${probes[@]}"; do
         timeout -k 5 $(( left / ${#probes[@]} )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
       done ;;

@@ -16,6 +16,7 @@ from _bench import Case, case_tensors, chosen, paired_ratio, probe_forward  # no
 import peak_where  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
+import probe_maxnreg  # noqa: E402
 import probe_ws  # noqa: E402
 import sanitize_kernels  # noqa: E402
 import sweep_configs  # noqa: E402
@@ -58,7 +59,7 @@ def test_sweep_launches_every_variant(case):
                 assert rel_err(got, want.double()) <= RTOL[torch.float16], (kind, label)
 
 
-@pytest.mark.parametrize("probe", [probe_exp16, probe_ws], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("probe", [probe_exp16, probe_maxnreg, probe_ws], ids=lambda m: m.__name__)
 def test_forward_probe_variants_compute_attention(probe):
     """Every kernel variant a forward probe times gives attention (float64 check of its main loop,
     query tails and head dims 40 and 64 included); only the GPU timing fails here, and is recorded."""
