@@ -517,9 +517,10 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and the dK/dV kernel's
     targets) or new ones.
 
-    New dK and dV buffers are allocated after the dQ kernel's launch, while it runs: a call whose
-    kernels are short waits on the host's work up to its first launch (v9). Every gradient buffer
-    is alive during the dK/dV kernel either way, so the order leaves the peak as it was.
+    New dK and dV buffers are allocated after the dQ kernel's launch, so that the host's work
+    overlaps that kernel instead of delaying it. Every gradient buffer is alive during the dK/dV
+    kernel either way: the training step's peaks were v8's to the MiB (v9). Per call, v9 could not
+    tell the gain from the lent hosts' drift.
     """
     (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
     dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)

@@ -125,10 +125,10 @@ def sdpa_backward(name: str, q, k, v, do, scale: float):
 
 def measure_paired(row: Row, fns: dict, rounds: int) -> None:
     """sdpatch's per-call speed over cuDNN and flash, timed in turns: each round one short
-    ``do_bench`` median per impl, the order reversed every round (ABBA). Per call, a short kernel's
-    figure is mostly the host's time to its launch, and the lent hosts drift: v8's per-call figures
-    at 77 keys moved 2.2-2.7x between calls, and by up to 1.5x between impls measured seconds apart.
-    A round's impls share the host's state, so the ratio within a round cancels most of it."""
+    ``do_bench`` median per impl, the order reversed every round (ABBA). Per call, a call whose
+    host work outlasts its kernels is timed by the host (``bench_host.py``'s anatomy), and the lent
+    hosts drift: v8's per-call figures at 77 keys moved 2.2-2.7x between calls. A round's impls share
+    the host's state, so the ratio within a round cancels most of it."""
     names = [n for n in PAIRED if row.ms.get(n) is not None]
     if rounds < 1 or names[:1] != ["sdpatch"] or len(names) < 2 or row.ms["sdpatch"] > PAIRED_MAX_MS:
         return
