@@ -217,14 +217,25 @@ def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, de
     return a
 
 
-def peak_over(fn) -> tuple[object, int]:
-    """Run ``fn``; return its result and the peak bytes allocated beyond what was live before."""
+def peaks_over(fn) -> tuple[object, dict[str, int]]:
+    """Run ``fn``; return its result and its peak bytes beyond what was live before, two ways:
+    ``allocated``, the caching allocator's blocks (``max_memory_allocated``), and ``requested``, the
+    tensors' own sizes. A block rounds its tensor up to 512 bytes, and a large one keeps a remainder
+    under 1 MiB unsplit, so the allocated peak also moves with which cached blocks earlier
+    allocations left; the allocation recorder's trace counts requested sizes (v9)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_stats()
     out = fn()
     torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - before
+    after = torch.cuda.memory_stats()
+    return out, {k: after[f"{k}_bytes.all.peak"] - before[f"{k}_bytes.all.current"] for k in ("allocated", "requested")}
+
+
+def peak_over(fn) -> tuple[object, int]:
+    """Run ``fn``; return its result and the peak bytes allocated beyond what was live before."""
+    out, peaks = peaks_over(fn)
+    return out, peaks["allocated"]
 
 
 def timed_ms(fn, calls: int = 1) -> float:

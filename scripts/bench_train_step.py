@@ -5,7 +5,8 @@
 SD 1.5-architecture UNet with random fp32 weights, fp16 autocast, batch 4, at 512² and 768²,
 gradient checkpointing off and on. A step is forward, MSE loss against noise, and backward
 (the optimizer's memory does not depend on attention, so it is left out). Reports peak memory
-allocated over the weights, median ms per step, and the time ratio to stock as the median (and
+over the weights, as the caching allocator's blocks and as the tensors' requested bytes
+(``_bench.peaks_over``), median ms per step, and the time ratio to stock as the median (and
 quartiles) of the ratios of rounds run side by side: blocks of three steps of each variant in turn,
 in ABBA order (``_bench.alternating_times``), so that host load from elsewhere reaches both alike
 (the lent hosts' load moved the same stock step by half between calls). Then conv_in's gradient
@@ -22,7 +23,7 @@ import statistics
 
 import torch
 
-from _bench import (alternating_times, environment, paired_ratio, peak_over, rel_err, train_step, training_unet, unet_inputs,
+from _bench import (alternating_times, environment, paired_ratio, peaks_over, rel_err, train_step, training_unet, unet_inputs,
                     use_variant, warm_up_step)
 
 SIZES = [512, 768]
@@ -60,13 +61,14 @@ def main() -> None:
             for variant in VARIANTS:
                 use_variant(unet, variant)
                 warm_up_step(step, unet)
-                _, peak = peak_over(step)
-                found[variant] = dict(peak=peak, grad=unet.conv_in.weight.grad.detach().clone())
+                _, peaks = peaks_over(step)
+                found[variant] = dict(peaks=peaks, grad=unet.conv_in.weight.grad.detach().clone())
             times = alternating_times(unet, VARIANTS, step, rounds=ROUNDS)
             stock = found["stock"]
             for variant, f in found.items():
                 ratio, q1, q3 = paired_ratio(times[variant], times["stock"])
-                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=f["peak"] / 2**20,
+                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=f["peaks"]["allocated"] / 2**20,
+                           requested_peak_mib=f["peaks"]["requested"] / 2**20,
                            ms=statistics.median(times[variant]), time_ratio=ratio, time_ratio_quartiles=(q1, q3),
                            ms_rounds=times[variant],
                            grad_rel_err=None if variant == "stock" else rel_err(f["grad"], stock["grad"]),
@@ -76,12 +78,14 @@ def main() -> None:
             torch.cuda.empty_cache()
     env = environment()
     print(env)
-    print("| size | checkpointing | variant | peak over weights MiB | ms / step | × stock (quartiles) | conv_in grad rel err vs stock | vs fp32 |")
+    print("| size | checkpointing | variant | peak over weights MiB: allocated (requested) | ms / step | × stock (quartiles)"
+          " | conv_in grad rel err vs stock | vs fp32 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
         q1, q3 = r["time_ratio_quartiles"]
-        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} | {r['ms']:.1f} | {r['time_ratio']:.2f} ({q1:.2f}–{q3:.2f})"
+        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} ({r['requested_peak_mib']:.0f})"
+              f" | {r['ms']:.1f} | {r['time_ratio']:.2f} ({q1:.2f}–{q3:.2f})"
               f" | {err} | {r['grad_rel_err_fp32']:.1e} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from _bench import environment, peak_over, train_step, training_unet, unet_inputs, use_variant, warm_up_step
+from _bench import environment, peaks_over, train_step, training_unet, unet_inputs, use_variant, warm_up_step
 
 CONFIGS = [(768, True), (768, False)]  # (size, gradient checkpointing)
 BATCH = 4
@@ -66,12 +66,13 @@ def measure(unet, kw, target, variant: str) -> dict:
     record = torch.cuda.memory._record_memory_history
     fresh = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
     record(stacks="python", max_entries=2_000_000, **fresh)  # no earlier variant's events
-    _, peak = peak_over(step)
+    _, peaks = peaks_over(step)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     traced, peak_site, at_peak = live_at_peak(trace)
-    return dict(peak_mib=peak / 2**20, traced_peak_mib=traced / 2**20, peak_site=peak_site,
+    return dict(peak_mib=peaks["allocated"] / 2**20, requested_peak_mib=peaks["requested"] / 2**20, traced_peak_mib=traced / 2**20,
+                peak_site=peak_site,
                 by_site_mib={k: v / 2**20 for k, v in at_peak.most_common()})
 
 
@@ -91,7 +92,8 @@ def main() -> None:
         found = {v: measure(unet, kw, target, v) for v in ("stock", "auto")}
         print(f"== {size}² checkpointing {'on' if checkpointing else 'off'}")
         for v, f in found.items():
-            print(f"{v}: peak {f['peak_mib']:.1f} MiB over the weights (traced {f['traced_peak_mib']:.1f}), reached at {f['peak_site']}")
+            print(f"{v}: peak {f['peak_mib']:.1f} MiB over the weights, {f['requested_peak_mib']:.1f} requested"
+                  f" (traced {f['traced_peak_mib']:.1f}), reached at {f['peak_site']}")
             for where, mib in list(f["by_site_mib"].items())[:15]:
                 print(f"    {mib:9.1f} MiB  {where}")
         sites = set(found["stock"]["by_site_mib"]) | set(found["auto"]["by_site_mib"])
