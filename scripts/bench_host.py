@@ -163,8 +163,9 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     and flash (CUDA): medians of the events' GPU time and of the host's time in
     ``torch.autograd.grad`` (with its 10th and 90th percentiles), and for sdpatch the host's time
     to its Python backward, in it, and back to the caller. Each impl's first ``skip`` calls warm up."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
+    from bench_kernels import SDPA
     from sdpatch.attention import TritonAttention
 
     marks = {}
@@ -179,8 +180,8 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     q, k, v = (torch.randn(c.B, c.H, n, c.D, device="cuda", dtype=torch.float16, requires_grad=True) for n in (c.Nq, c.Nk, c.Nk))
     do = torch.randn_like(q)
     outs = {"sdpatch": sdpatch.attention(q, k, v, backend="triton")}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        with sdpa_kernel(backend):
+    for name in ("cudnn", "flash"):
+        with sdpa_kernel(SDPA[name]):
             outs[name] = F.scaled_dot_product_attention(q, k, v)
     cache = torch.empty(256 * 2**20 // 4, dtype=torch.int, device="cuda")  # do_bench's L2 flush
     rows = []
