@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .native import Site
+
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -422,6 +424,9 @@ def launch_hooked() -> bool:
     return any(getattr(h, "calls", h) for h in hooks)  # triton >= 3.6: a chain, empty when unhooked
 
 
+_native_fwd = Site(launch_hooked)  # the forward's native programs (see :mod:`.native`)
+
+
 def current_device_and_stream():
     """The current CUDA device's index, and the function giving a device's current stream, as Triton has them."""
     from triton.runtime import driver
@@ -454,7 +459,7 @@ class Binary:
                  *args, *self.consts)
 
 
-def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
+def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key, record: list | None = None) -> None:
     """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
     arguments, specializing on them, compiling or finding the binary), later straight to that
     binary (:class:`Binary`).
@@ -463,15 +468,20 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
     integer argument (sizes, strides), each pointer's 16-byte alignment, and the constexprs; the
     launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
-    parameters; ``consts`` its constexprs and launch options.
+    parameters; ``consts`` its constexprs and launch options. ``record``, if given, gets the
+    launch's ``(binary, grid, args)``, or None where it went through the JIT (see :mod:`.native`).
     """
     binary = binaries.get(key)
     if binary is not None:
         try:
             binary(grid, args)
+            if record is not None:
+                record.append((binary, grid, args))
             return
         except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
             _no_direct_launch(binaries, e)
+    if record is not None:
+        record.append(None)
     compiled = kernel[grid](*args, **consts)
     if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
         try:  # the binary takes the constexprs too, in the kernel's parameter order
@@ -561,6 +571,7 @@ class _Plan:
     config: dict | None = None  # the autotuner's pick, once it has tuned this shape
     binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
     tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
+    native: bool | None = None  # whether the tuned launch has a native program (None: not yet tried)
 
 
 # (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
@@ -623,6 +634,10 @@ def flash_attn_fwd(
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
     """
+    if config is None and split_head_dim is None and kv_tma is None:  # a layout seen before, replayed natively
+        found = _native_fwd.run((q, k, v, mask), (scale, float(return_lse)), q.get_device())
+        if found is not None:
+            return found
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
@@ -636,7 +651,9 @@ def flash_attn_fwd(
         if tuned:  # the common case: a layout seen before, its launch worked out then
             grid, scalars, consts, key = tuned
             kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
-            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            record = _native_fwd.recording(plan, q) if split_head_dim is None and kv_tma is None else None
+            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key, record)
+            _native_fwd.register(plan, record, (q, k, v, mask), (scale, float(return_lse)), (out, lse))
             return out, lse
         config = config or plan.config
         scalars = fwd_scalars(q, k, v, mask, out, scale)

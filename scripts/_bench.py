@@ -177,10 +177,13 @@ def training_unet(preset: str = "sd15"):
 
 def warm_up_step(step, unet) -> None:
     """One call of a training ``step`` to compile and autotune, then the parameters' gradients
-    cleared: the next step's peak counts them as its own, not as memory live before it."""
+    cleared: the next step's peak counts them as its own, not as memory live before it. The
+    allocator's cache is emptied too, so the next step starts from the blocks a fresh process would
+    hold whatever ran before: v7-v9 measured the second variant on the first one's cached blocks."""
     step()
     for p in unet.parameters():
         p.grad = None
+    torch.cuda.empty_cache()
 
 
 def train_step(unet, kw: dict, target: torch.Tensor, autocast: bool = True):
@@ -218,9 +221,10 @@ def make_mask(kind: str | None, B: int, Nq: int, Nk: int, dtype: torch.dtype, de
 
 
 def peaks_over(fn) -> tuple[object, dict[str, int]]:
-    """Run ``fn``; return its result and its peak bytes beyond what was live before, two ways:
-    ``allocated``, the caching allocator's blocks (``max_memory_allocated``), and ``requested``, the
-    tensors' own sizes. A block rounds its tensor up to 512 bytes, and a large one keeps a remainder
+    """Run ``fn``; return its result and its peak bytes beyond what was live before, three ways:
+    ``allocated``, the caching allocator's blocks (``max_memory_allocated``); ``requested``, the
+    tensors' own sizes; ``reserved``, the segments the allocator took from the driver, which is what
+    must fit on the card. A block rounds its tensor up to 512 bytes, and a large one keeps a remainder
     under 1 MiB unsplit, so the allocated peak also moves with which cached blocks earlier
     allocations left; the allocation recorder's trace counts requested sizes (v9)."""
     torch.cuda.synchronize()
@@ -229,7 +233,7 @@ def peaks_over(fn) -> tuple[object, dict[str, int]]:
     out = fn()
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()
-    return out, {k: after[f"{k}_bytes.all.peak"] - before[f"{k}_bytes.all.current"] for k in ("allocated", "requested")}
+    return out, {k: after[f"{k}_bytes.all.peak"] - before[f"{k}_bytes.all.current"] for k in ("allocated", "requested", "reserved")}
 
 
 def peak_over(fn) -> tuple[object, int]:

@@ -5,8 +5,9 @@
 SD 1.5-architecture UNet with random fp32 weights, fp16 autocast, batch 4, at 512² and 768²,
 gradient checkpointing off and on. A step is forward, MSE loss against noise, and backward
 (the optimizer's memory does not depend on attention, so it is left out). Reports peak memory
-over the weights, as the caching allocator's blocks and as the tensors' requested bytes
-(``_bench.peaks_over``), median ms per step, and the time ratio to stock as the median (and
+over the weights, as the caching allocator's blocks, as the tensors' requested bytes and as the
+segments reserved from the driver (``_bench.peaks_over``), each variant measured twice in ABBA order
+from an emptied cache, median ms per step, and the time ratio to stock as the median (and
 quartiles) of the ratios of rounds run side by side: blocks of three steps of each variant in turn,
 in ABBA order (``_bench.alternating_times``), so that host load from elsewhere reaches both alike
 (the lent hosts' load moved the same stock step by half between calls). Then conv_in's gradient
@@ -38,6 +39,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
+    from sdpatch.kernels import native
+
+    print(f"native launch path: {'ready' if native.wait() else 'unavailable'}", flush=True)
     unet = training_unet()
     rows = []
     for size in SIZES:
@@ -57,18 +61,22 @@ def main() -> None:
                 unet.enable_gradient_checkpointing()
             else:
                 unet.disable_gradient_checkpointing()
-            found = {}
-            for variant in VARIANTS:
+            found = {v: dict(peaks=[]) for v in VARIANTS}
+            for variant in (*VARIANTS, *reversed(VARIANTS)):  # ABBA: each variant's peak twice, after either
                 use_variant(unet, variant)
                 warm_up_step(step, unet)
                 _, peaks = peaks_over(step)
-                found[variant] = dict(peaks=peaks, grad=unet.conv_in.weight.grad.detach().clone())
+                found[variant]["peaks"].append(peaks)
+                found[variant]["grad"] = unet.conv_in.weight.grad.detach().clone()
             times = alternating_times(unet, VARIANTS, step, rounds=ROUNDS)
             stock = found["stock"]
             for variant, f in found.items():
                 ratio, q1, q3 = paired_ratio(times[variant], times["stock"])
-                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=f["peaks"]["allocated"] / 2**20,
-                           requested_peak_mib=f["peaks"]["requested"] / 2**20,
+                # The larger of the two measurements of each figure: the step needs that much.
+                peak = {k: max(p[k] for p in f["peaks"]) / 2**20 for k in f["peaks"][0]}
+                row = dict(size=size, checkpointing=checkpointing, variant=variant, peak_mib=peak["allocated"],
+                           requested_peak_mib=peak["requested"], reserved_peak_mib=peak["reserved"],
+                           peaks_mib=[{k: b / 2**20 for k, b in p.items()} for p in f["peaks"]],
                            ms=statistics.median(times[variant]), time_ratio=ratio, time_ratio_quartiles=(q1, q3),
                            ms_rounds=times[variant],
                            grad_rel_err=None if variant == "stock" else rel_err(f["grad"], stock["grad"]),
@@ -78,13 +86,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     env = environment()
     print(env)
-    print("| size | checkpointing | variant | peak over weights MiB: allocated (requested) | ms / step | × stock (quartiles)"
+    print("| size | checkpointing | variant | peak over weights MiB: allocated / requested / reserved | ms / step | × stock (quartiles)"
           " | conv_in grad rel err vs stock | vs fp32 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
         q1, q3 = r["time_ratio_quartiles"]
-        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.0f} ({r['requested_peak_mib']:.0f})"
+        print(f"| {r['size']}² | {'on' if r['checkpointing'] else 'off'} | {r['variant']} | {r['peak_mib']:.1f} / {r['requested_peak_mib']:.1f} / {r['reserved_peak_mib']:.0f}"
               f" | {r['ms']:.1f} | {r['time_ratio']:.2f} ({q1:.2f}–{q3:.2f})"
               f" | {err} | {r['grad_rel_err_fp32']:.1e} |")
     if args.json:

@@ -122,20 +122,21 @@ def test_paired_bench_times_impls_in_turns(monkeypatch):
 
 def test_peaks_over_counts_blocks_and_requested_bytes_beyond_what_was_live(monkeypatch):
     """_bench.peaks_over: each kind's peak during the call, less what was live before it; the
-    allocator's blocks (rounded, remainders kept) and the tensors' requested bytes apart."""
+    allocator's blocks (rounded, remainders kept), the tensors' requested bytes and the reserved
+    segments apart."""
     import _bench
 
     stats = iter([
         {"allocated_bytes.all.current": 1000, "allocated_bytes.all.peak": 5000, "requested_bytes.all.current": 900,
-         "requested_bytes.all.peak": 4000},
+         "requested_bytes.all.peak": 4000, "reserved_bytes.all.current": 2048, "reserved_bytes.all.peak": 8192},
         {"allocated_bytes.all.current": 1100, "allocated_bytes.all.peak": 3600, "requested_bytes.all.current": 950,
-         "requested_bytes.all.peak": 3000},
+         "requested_bytes.all.peak": 3000, "reserved_bytes.all.current": 4096, "reserved_bytes.all.peak": 6144},
     ])
     for name in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: next(stats))
     out, peaks = _bench.peaks_over(lambda: "done")
-    assert out == "done" and peaks == {"allocated": 2600, "requested": 2100}
+    assert out == "done" and peaks == {"allocated": 2600, "requested": 2100, "reserved": 4096}
 
 
 def test_host_bench_times_every_call():

@@ -1,0 +1,151 @@
+"""The native launch path's recording and layout matching (its launches need CUDA: scripts/check_gpu.py)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sdpatch.kernels import native
+
+CELLS = [  # (Triton type, value, the cell's integer value: the value's bytes, little-endian, zero-padded)
+    ("i32", -3, 0xFFFFFFFD),
+    ("i32", 7, 7),
+    ("i64", -(2**40), struct.unpack("<Q", struct.pack("<q", -(2**40)))[0]),
+    ("u64", 2**63, 2**63),
+    ("fp32", 0.5, 0x3F000000),
+    ("fp32", 0.15811388300841897, struct.unpack("<I", struct.pack("<f", 0.15811388300841897))[0]),
+    ("fp64", -2.0, struct.unpack("<Q", struct.pack("<d", -2.0))[0]),
+    ("i1", True, 1),
+    ("u8", 255, 255),
+]
+
+
+@pytest.mark.parametrize("ty,value,cell", CELLS, ids=[f"{t}-{v}" for t, v, _ in CELLS])
+def test_scalar_cell(ty, value, cell):
+    assert native.scalar_cell(ty, value) == cell
+
+
+@pytest.mark.parametrize("ty", ["fp16", "bf16", "tensordesc<fp16[1,1,64,64]>"])
+def test_scalar_cell_refuses_unhandled_types(ty):
+    assert native.scalar_cell(ty, 1.0) is None
+
+
+class FakeModule:
+    """Records what :func:`native.build_program` asks of the C++ module's Program."""
+
+    class Program:
+        def __init__(self):
+            self.buffers, self.launches, self.outputs = [], [], None
+
+        def buffer(self, sizes, strides, dtype):
+            self.buffers.append((sizes, strides, dtype))
+
+        def launch(self, function, grid, threads, shared, cells, pointers, allocate):
+            self.launches.append(dict(function=function, grid=grid, threads=threads, shared=shared, cells=cells,
+                                      pointers=pointers, allocate=allocate))
+
+
+def fake_binary(signature: list[str], function: int = 0xF00, num_warps: int = 4, shared: int = 1024, **meta):
+    """A compiled kernel as :class:`flash_fwd.Binary` holds it, with this parameter signature."""
+    metadata = SimpleNamespace(**{"global_scratch_size": 0, "profile_scratch_size": 0, "launch_cooperative_grid": False,
+                                  "launch_pdl": False, "num_ctas": 1, **meta})
+    src = SimpleNamespace(signature={f"p{i}": t for i, t in enumerate(signature)})
+    return SimpleNamespace(compiled=SimpleNamespace(metadata=metadata, src=src), function=function,
+                           metadata=(num_warps, 1, shared))
+
+
+def backward_like():
+    """Inputs, a two-launch record in the backward's shape (a buffer made before the first launch,
+    two after it, one shared), and its outputs."""
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    dq, delta = torch.empty_like(q), torch.empty(1, 2, 8)
+    dk = torch.empty_like(k)
+    first = fake_binary(["*fp32", "*fp32", "constexpr", "*fp32", "*fp32", "i32", "fp32"], function=1, num_warps=8)
+    second = fake_binary(["*fp32", "*fp32", "*fp32", "*fp32", "i32", "constexpr"], function=2, shared=0)
+    record = [(first, (2, 1, 1), (q, k, None, dq, delta, 8, 0.5)), (second, (1, 2, 1), (q, delta, dk, k, 8, 1))]
+    return (q, k, None), record, (dq, dk)
+
+
+def test_build_program_replays_allocations_and_launches():
+    inputs, record, outputs = backward_like()
+    p = native.build_program(FakeModule, inputs, record, outputs)
+    # Slots: inputs 0-2 (q, k, None), then buffers in order of first use: dq 3, delta 4, dk 5.
+    assert [b[0] for b in p.buffers] == [[1, 2, 8, 4], [1, 2, 8], [1, 2, 8, 4]]
+    assert [b[2] for b in p.buffers] == [torch.float32] * 3
+    first, second = p.launches
+    assert (first["function"], first["grid"], first["threads"], first["shared"]) == (1, [2, 1, 1], 256, 1024)
+    assert first["pointers"] == [(0, 0), (1, 1), (2, 3), (3, 4)] and first["allocate"] == [3, 4]
+    assert first["cells"] == [0, 0, 0, 0, 8, 0x3F000000, 0, 0]  # the constexpr left out; two scratch cells last
+    assert second["pointers"] == [(0, 0), (1, 4), (2, 5), (3, 1)] and second["allocate"] == [5]
+    assert second["cells"] == [0, 0, 0, 0, 8, 0, 0]
+    assert p.outputs == [3, 5]
+
+
+def refusals():
+    inputs, record, outputs = backward_like()
+    q, k, _ = inputs
+    view_of_input = (record[0][0], (1, 1, 1), (q, k, None, q[:, :1], record[0][2][4], 8, 0.5))
+    scratch = (fake_binary(["*fp32"], global_scratch_size=128), (1, 1, 1), (q,))
+    descriptor = (fake_binary(["tensordesc<fp16[1,1,64,64]>"]), (1, 1, 1), (q,))
+    half_scalar = (fake_binary(["*fp32", "fp16"]), (1, 1, 1), (q, 1.0))
+    return {
+        "jit-launch": (inputs, [record[0], None], outputs),
+        "buffer-overlaps-input": (inputs, [view_of_input], outputs[:1]),
+        "output-is-input": (inputs, record, (q,)),
+        "output-never-launched": (inputs, record, (torch.empty(1),)),
+        "scratch-memory": (inputs, [scratch], ()),
+        "tensor-descriptor": (inputs, [descriptor], ()),
+        "fp16-scalar": (inputs, [half_scalar], ()),
+        "empty": (inputs, [], ()),
+    }
+
+
+@pytest.mark.parametrize("case", ["jit-launch", "buffer-overlaps-input", "output-is-input", "output-never-launched",
+                                  "scratch-memory", "tensor-descriptor", "fp16-scalar", "empty"])
+def test_build_program_refuses(case):
+    inputs, record, outputs = refusals()[case]
+    assert native.build_program(FakeModule, inputs, record, outputs) is None
+
+
+needs_toolchain = pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("c++") is None,
+                                     reason="building the native module needs ninja and a C++ compiler")
+
+
+@needs_toolchain
+def test_registry_matches_exact_layouts():
+    """A program runs only for its recorded layout and options; on the CPU its launch then fails
+    for want of libcuda, after the layout matched."""
+    assert native.wait(), "the native module did not build"
+    mod = native.module()
+    inputs, record, outputs = backward_like()
+    registry = mod.Registry()
+    registry.add(list(inputs), [0.5], native.build_program(mod, inputs, record, outputs))
+    assert len(registry) == 1
+    q, k, _ = inputs
+    with pytest.raises(RuntimeError, match="libcuda"):
+        registry.run([q.clone(), k.clone(), None], [0.5], 0)
+    others = {
+        "options": ([q, k, None], [0.25]),
+        "dtype": ([q.double(), k, None], [0.5]),
+        "strides": ([q.transpose(1, 2).contiguous().transpose(1, 2), k, None], [0.5]),
+        "sizes": ([q[:, :, :7], k, None], [0.5]),
+        "alignment": ([torch.randn(q.numel() + 1)[1:].view(q.shape), k, None], [0.5]),
+        "mask-present": ([q, k, torch.ones(1, 1, 1, 8, dtype=torch.bool)], [0.5]),
+    }
+    for name, (ins, options) in others.items():
+        assert registry.run(ins, options, 0) is None, name
+
+
+@needs_toolchain
+def test_registry_checks_programs():
+    assert native.wait(), "the native module did not build"
+    mod = native.module()
+    inputs, record, outputs = backward_like()
+    program = native.build_program(mod, inputs, record, outputs)
+    program.launch(0, [1, 1, 1], 32, 0, [0], [(0, 2)], [])  # a pointer to input 2, which is None
+    with pytest.raises(RuntimeError, match="None"):
+        mod.Registry().add(list(inputs), [0.5], program)
