@@ -32,6 +32,7 @@ _SOURCE = Path(__file__).with_name("native.cpp")
 _module = None
 _builder: threading.Thread | None = None
 _build_lock = threading.Lock()
+_build_error: str | None = None
 
 # How Triton's launchers pass each scalar parameter type (triton/backends/nvidia/driver.py): its
 # bytes, little-endian, at the start of the parameter's 8-byte cell. fp16 and bf16 scalars are
@@ -47,7 +48,7 @@ _SCRATCH_CELLS = (0, 0)
 
 
 def _build() -> None:
-    global _module
+    global _module, _build_error
     start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
@@ -55,6 +56,7 @@ def _build() -> None:
         _module = load(name="sdpatch_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
         logger.info("sdpatch native launch path built in %.1f s", time.perf_counter() - start)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the Python launchers remain
+        _build_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("sdpatch native launch path unavailable (%s: %s); launching through Triton's launcher",
                        type(e).__name__, e)
 
@@ -63,12 +65,25 @@ def module():
     """The compiled module, or None: while it builds (in the background, from the first call on),
     or where it cannot be built, or with the path turned off."""
     global _builder
-    if _module is None and ENABLED:
+    if _module is None and ENABLED and _builder is None:
         with _build_lock:
             if _builder is None:
                 _builder = threading.Thread(target=_build, name="sdpatch-native-build", daemon=True)
                 _builder.start()
     return _module if ENABLED else None
+
+
+def status() -> str:
+    """The path's state in words, for ``sdpatch info``; starts no build."""
+    if not ENABLED:
+        return "off (SDPATCH_NATIVE=0)"
+    if _module is not None:
+        return "ready"
+    if _build_error is not None:
+        return f"unavailable ({_build_error}); Triton's launcher serves every call"
+    if _builder is not None:
+        return "building"
+    return "built at the first CUDA call, in the background (cached per machine)"
 
 
 def wait(timeout: float | None = None) -> bool:

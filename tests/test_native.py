@@ -149,3 +149,15 @@ def test_registry_checks_programs():
     program.launch(0, [1, 1, 1], 32, 0, [0], [(0, 2)], [])  # a pointer to input 2, which is None
     with pytest.raises(RuntimeError, match="None"):
         mod.Registry().add(list(inputs), [0.5], program)
+
+
+def test_status_says_why_the_path_is_not_used(monkeypatch):
+    from sdpatch.generate import environment
+
+    assert environment()["native_launch"].startswith("not used")  # no CUDA device here
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert native.status().startswith("off") and native.module() is None
+    monkeypatch.setattr(native, "ENABLED", True)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_build_error", "RuntimeError: Ninja is required to load C++ extensions")
+    assert "Ninja is required" in native.status()
