@@ -106,6 +106,7 @@ class Registry {
   }
 
   size_t size() const { return programs_.size(); }
+  void clear() { programs_.clear(); }
 
   // The recorded program's outputs for these inputs, or None when no program has their layout.
   py::object run(const std::vector<std::optional<at::Tensor>>& inputs, const std::vector<double>& options,
@@ -180,5 +181,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("add", &Registry::add)
       .def("run", &Registry::run, "The outputs of the program recorded for these inputs' layout, or None")
+      .def("clear", &Registry::clear)
       .def("__len__", &Registry::size);
 }

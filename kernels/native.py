@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 ENABLED = os.environ.get("SDPATCH_NATIVE", "1") != "0"
 """Whether launchers use the native path (read from ``SDPATCH_NATIVE`` at import; benchmarks toggle it)."""
 
+MAX_PROGRAMS = 4096  # per launcher, like the launch plans' cache (flash_fwd._MAX_PLANS)
+
 _SOURCE = Path(__file__).with_name("native.cpp")
 _module = None
 _builder: threading.Thread | None = None
@@ -219,5 +221,7 @@ class Site:
         if self.registry is None:
             self.registry = mod.Registry()
             self.raw_stream = torch._C._cuda_getCurrentRawStream
+        elif len(self.registry) >= MAX_PROGRAMS:  # endless new shapes: start over, as the launch plans do
+            self.registry.clear()
         self.registry.add(list(inputs), list(options), program)
         plan.native = True

@@ -175,12 +175,14 @@ def training_unet(preset: str = "sd15"):
     return unet.train().requires_grad_(True)
 
 
-def warm_up_step(step, unet) -> None:
-    """One call of a training ``step`` to compile and autotune, then the parameters' gradients
-    cleared: the next step's peak counts them as its own, not as memory live before it. The
-    allocator's cache is emptied too, so the next step starts from the blocks a fresh process would
-    hold whatever ran before: v7-v9 measured the second variant on the first one's cached blocks."""
-    step()
+def warm_up_step(step, unet, calls: int = 1) -> None:
+    """``calls`` calls of a training ``step`` (compile, autotune; from the third call of a layout on,
+    sdpatch's native launch path), then the parameters' gradients cleared: the next step's peak
+    counts them as its own, not as memory live before it. The allocator's cache is emptied too, so
+    the next step starts from the blocks a fresh process would hold whatever ran before: v7-v9
+    measured the second variant on the first one's cached blocks."""
+    for _ in range(calls):
+        step()
     for p in unet.parameters():
         p.grad = None
     torch.cuda.empty_cache()

@@ -7,6 +7,11 @@ batch 4), one step per variant under PyTorch's allocation recorder. Replaying th
 allocations and frees finds the moment of the peak, and the tensors alive then, grouped by the
 diffusers or sdpatch line that allocated them. Printed per variant, then the groups whose bytes differ:
 what makes one variant's peak higher than the other's.
+
+sdpatch runs three ways (v10's training step measured lower requested peaks on one of them, not
+explained): "auto", its layouts' fifth step, on the native launch path; "auto python", the same
+with that path off; "auto step 2", its layouts' second step, on new launch plans (the path v10's
+first measurement took: tuned tiles, kernels launched through Triton's JIT).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from _bench import environment, peaks_over, train_step, training_unet, unet_inputs, use_variant, warm_up_step
 
-CONFIGS = [(768, True), (768, False)]  # (size, gradient checkpointing)
+CONFIGS = [(768, False), (768, True)]  # (size, gradient checkpointing)
 BATCH = 4
 OURS = ("diffusers", "sdpatch", "_bench")  # the first frame from these files names an allocation
 
@@ -59,16 +64,27 @@ def live_at_peak(trace: list[dict]) -> tuple[int, str, Counter]:
     return peak, site(trace[peak_at].get("frames", [])) if trace else "?", at_peak
 
 
+VARIANTS = ("stock", "auto", "auto python", "auto step 2")
+
+
 def measure(unet, kw, target, variant: str) -> dict:
-    use_variant(unet, variant)
+    from sdpatch.kernels import flash_bwd, flash_fwd, native
+
+    use_variant(unet, "stock" if variant == "stock" else "auto")
     step = train_step(unet, kw, target)
-    warm_up_step(step, unet)
+    native.ENABLED = variant != "auto python"
+    if variant == "auto step 2":  # new plans, no programs: the autotuner's cache keeps this to one warm-up step
+        flash_fwd._plans.clear()
+        flash_bwd._bwd_plans.clear()
+        flash_fwd._native_fwd.registry = flash_bwd._native_bwd.registry = None
+    warm_up_step(step, unet, calls=1 if variant == "auto step 2" else 4)
     record = torch.cuda.memory._record_memory_history
     fresh = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
     record(stacks="python", max_entries=2_000_000, **fresh)  # no earlier variant's events
     _, peaks = peaks_over(step)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    native.ENABLED = True
     trace = snap["device_traces"][torch.cuda.current_device()]
     traced, peak_site, at_peak = live_at_peak(trace)
     return dict(peak_mib=peaks["allocated"] / 2**20, requested_peak_mib=peaks["requested"] / 2**20, traced_peak_mib=traced / 2**20,
@@ -89,19 +105,20 @@ def main() -> None:
             unet.enable_gradient_checkpointing()
         else:
             unet.disable_gradient_checkpointing()
-        found = {v: measure(unet, kw, target, v) for v in ("stock", "auto")}
+        found = {v: measure(unet, kw, target, v) for v in VARIANTS}
         print(f"== {size}² checkpointing {'on' if checkpointing else 'off'}")
         for v, f in found.items():
             print(f"{v}: peak {f['peak_mib']:.1f} MiB over the weights, {f['requested_peak_mib']:.1f} requested"
                   f" (traced {f['traced_peak_mib']:.1f}), reached at {f['peak_site']}")
             for where, mib in list(f["by_site_mib"].items())[:15]:
                 print(f"    {mib:9.1f} MiB  {where}")
-        sites = set(found["stock"]["by_site_mib"]) | set(found["auto"]["by_site_mib"])
-        diff = {s: found["auto"]["by_site_mib"].get(s, 0.0) - found["stock"]["by_site_mib"].get(s, 0.0) for s in sites}
-        print("sdpatch - stock, alive at each one's peak:")
-        for s, d in sorted(diff.items(), key=lambda x: -abs(x[1])):
-            if abs(d) >= 0.25:
-                print(f"    {d:+9.1f} MiB  {s}")
+        for v in VARIANTS[1:]:
+            sites = set(found["stock"]["by_site_mib"]) | set(found[v]["by_site_mib"])
+            diff = {s: found[v]["by_site_mib"].get(s, 0.0) - found["stock"]["by_site_mib"].get(s, 0.0) for s in sites}
+            print(f"sdpatch ({v}) - stock, alive at each one's peak:")
+            for s, d in sorted(diff.items(), key=lambda x: -abs(x[1])):
+                if abs(d) >= 0.25:
+                    print(f"    {d:+9.1f} MiB  {s}")
         results.append(dict(size=size, checkpointing=checkpointing, **found))
         torch.cuda.empty_cache()
     if args.json:

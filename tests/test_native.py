@@ -161,3 +161,21 @@ def test_status_says_why_the_path_is_not_used(monkeypatch):
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_build_error", "RuntimeError: Ninja is required to load C++ extensions")
     assert "Ninja is required" in native.status()
+
+
+@needs_toolchain
+def test_registry_starts_over_when_full(monkeypatch):
+    """Endless new layouts (a resolution sweep) do not grow the registry past MAX_PROGRAMS."""
+    assert native.wait(), "the native module did not build"
+    monkeypatch.setattr(native, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    site = native.Site(lambda: False)
+    for n in (8, 9, 10):
+        inputs, record, outputs = backward_like()
+        q, k, _ = inputs
+        inputs = (q[:, :, :n - 1] if n > 8 else q, k, None)  # a new layout each time
+        record = [(b, g, (inputs[0], *args[1:])) for b, g, args in record]
+        plan = SimpleNamespace(native=None)
+        site.register(plan, record, inputs, (0.5,), outputs)
+        assert plan.native is True
+    assert len(site.registry) == 1  # cleared at 2, then the third added
