@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -55,6 +56,10 @@ def _build() -> None:
     try:
         from torch.utils.cpp_extension import load
 
+        if shutil.which("ninja") is None:  # pip's ninja, in a virtual environment run without activating it
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         _module = load(name="sdpatch_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
         logger.info("sdpatch native launch path built in %.1f s", time.perf_counter() - start)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the Python launchers remain
