@@ -18,6 +18,8 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,7 +62,14 @@ def _build() -> None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        _module = load(name="sdpatch_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        options = dict(name="sdpatch_native", sources=[str(_SOURCE)], extra_cflags=["-O2"])
+        # The compiler runs in a process of its own session, with no pipe to this one: a short run that
+        # exits (or takes a Ctrl-C) mid-build would otherwise leave the build folder's lock behind, and
+        # every later process would wait on it. Then the load here is an import; after a failed build,
+        # it fails again with the reason.
+        subprocess.run([sys.executable, "-c", f"from torch.utils.cpp_extension import load; load(**{options!r})"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _module = load(**options, verbose=False)
         logger.info("sdpatch native launch path built in %.1f s", time.perf_counter() - start)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the Python launchers remain
         _build_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -93,9 +102,9 @@ def status() -> str:
     return "built at the first CUDA call, in the background (cached per machine)"
 
 
-def wait(timeout: float | None = None) -> bool:
-    """Block until the module is built (or its build failed); whether it is usable. Benchmarks call
-    this so that every timed call takes the same path."""
+def wait(timeout: float | None = 600) -> bool:
+    """Block until the module is built (or its build failed), at most ``timeout`` seconds; whether it
+    is usable. Benchmarks call this so that every timed call takes the same path."""
     module()
     if _builder is not None:
         _builder.join(timeout)
