@@ -634,7 +634,8 @@ def flash_attn_fwd(
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
     """
-    if config is None and split_head_dim is None and kv_tma is None:  # a layout seen before, replayed natively
+    default = config is None and split_head_dim is None and kv_tma is None
+    if default:  # a layout seen before, replayed natively
         found = _native_fwd.run((q, k, v, mask), (scale, float(return_lse)), q.get_device())
         if found is not None:
             return found
@@ -651,7 +652,7 @@ def flash_attn_fwd(
         if tuned:  # the common case: a layout seen before, its launch worked out then
             grid, scalars, consts, key = tuned
             kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
-            record = _native_fwd.recording(plan, q) if split_head_dim is None and kv_tma is None else None
+            record = _native_fwd.recording(plan, q) if default else None
             launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key, record)
             _native_fwd.register(plan, record, (q, k, v, mask), (scale, float(return_lse)), (out, lse))
             return out, lse

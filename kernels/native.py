@@ -14,6 +14,7 @@ built, the Python launchers serve every call. ``SDPATCH_NATIVE=0`` turns the pat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -87,6 +88,19 @@ def module():
                 _builder = threading.Thread(target=_build, name="sdpatch-native-build", daemon=True)
                 _builder.start()
     return _module if ENABLED else None
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """Within the block, launchers use the native path only if ``on`` (and it was on before); the
+    benchmarks time "sdpatch python", the Python launchers alone, this way."""
+    global ENABLED
+    before = ENABLED
+    ENABLED = before and on
+    try:
+        yield
+    finally:
+        ENABLED = before
 
 
 def status() -> str:

@@ -190,17 +190,17 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     TritonAttention.backward = staticmethod(marked)
     try:
         for name, out in outs.items():
-            native.ENABLED = name != "sdpatch python"
             calls = []
-            for _ in range(iters):
-                cache.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t0 = time.perf_counter_ns()
-                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                t1 = time.perf_counter_ns()
-                end.record()
-                calls.append((start, end, t0, t1, marks.get("in"), marks.get("out")))
+            with native.enabled(name != "sdpatch python"):
+                for _ in range(iters):
+                    cache.zero_()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    t0 = time.perf_counter_ns()
+                    torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                    t1 = time.perf_counter_ns()
+                    end.record()
+                    calls.append((start, end, t0, t1, marks.get("in"), marks.get("out")))
             torch.cuda.synchronize()
             calls = calls[skip:]
             host = sorted((t1 - t0) / 1e3 for _, _, t0, t1, _, _ in calls)
@@ -214,7 +214,6 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
             print(row, flush=True)
     finally:
         TritonAttention.backward = backward
-        native.ENABLED = True
     return rows
 
 

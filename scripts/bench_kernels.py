@@ -87,11 +87,8 @@ class Row:
 def python_path(fn):
     """``fn`` through sdpatch's Python launchers: the native launch path off during the call."""
     def call():
-        native.ENABLED = False
-        try:
+        with native.enabled(False):
             return fn()
-        finally:
-            native.ENABLED = True
     return call
 
 

@@ -116,12 +116,9 @@ def check_native(q, k, v, m, do, name) -> None:
     out = attention(q, k, v, attn_mask=m, backend="triton")
     grads = torch.autograd.grad(attention(q, k, v, attn_mask=m, backend="triton"), (q, k, v), do) if do is not None else ()
     served = [s.hits - h for s, h in zip(sites, hits)]
-    native.ENABLED = False
-    try:
+    with native.enabled(False):
         out_py = attention(q, k, v, attn_mask=m, backend="triton")
         grads_py = torch.autograd.grad(attention(q, k, v, attn_mask=m, backend="triton"), (q, k, v), do) if do is not None else ()
-    finally:
-        native.ENABLED = True
     same = torch.equal(out, out_py) and all(torch.equal(a, b) for a, b in zip(grads, grads_py))
     want = [2, 1] if do is not None else [1, 0]  # forwards (one for inference, one for autograd), backwards
     report(f"native {name}", same and served == want, f"calls served natively (fwd, bwd) {served}, want {want};"

@@ -72,19 +72,18 @@ def measure(unet, kw, target, variant: str) -> dict:
 
     use_variant(unet, "stock" if variant == "stock" else "auto")
     step = train_step(unet, kw, target)
-    native.ENABLED = variant != "auto python"
     if variant == "auto step 2":  # new plans, no programs: the autotuner's cache keeps this to one warm-up step
         flash_fwd._plans.clear()
         flash_bwd._bwd_plans.clear()
         flash_fwd._native_fwd.registry = flash_bwd._native_bwd.registry = None
-    warm_up_step(step, unet, calls=1 if variant == "auto step 2" else 4)
-    record = torch.cuda.memory._record_memory_history
-    fresh = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
-    record(stacks="python", max_entries=2_000_000, **fresh)  # no earlier variant's events
-    _, peaks = peaks_over(step)
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    native.ENABLED = True
+    with native.enabled(variant != "auto python"):
+        warm_up_step(step, unet, calls=1 if variant == "auto step 2" else 4)
+        record = torch.cuda.memory._record_memory_history
+        fresh = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
+        record(stacks="python", max_entries=2_000_000, **fresh)  # no earlier variant's events
+        _, peaks = peaks_over(step)
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     traced, peak_site, at_peak = live_at_peak(trace)
     return dict(peak_mib=peaks["allocated"] / 2**20, requested_peak_mib=peaks["requested"] / 2**20, traced_peak_mib=traced / 2**20,

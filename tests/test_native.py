@@ -179,3 +179,14 @@ def test_registry_starts_over_when_full(monkeypatch):
         site.register(plan, record, inputs, (0.5,), outputs)
         assert plan.native is True
     assert len(site.registry) == 1  # cleared at 2, then the third added
+
+
+def test_enabled_restores_and_never_turns_the_path_on(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", True)
+    with native.enabled(False):
+        assert not native.ENABLED
+    assert native.ENABLED
+    monkeypatch.setattr(native, "ENABLED", False)  # SDPATCH_NATIVE=0
+    with native.enabled(True):
+        assert not native.ENABLED
+    assert not native.ENABLED
