@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("SDPATCH_NATIVE", "1") != "0"
-"""Whether launchers use the native path (read from ``SDPATCH_NATIVE`` at import; benchmarks toggle it)."""
+"""Whether launchers use the native path: ``SDPATCH_NATIVE`` at import; :func:`enabled` within a block."""
 
 MAX_PROGRAMS = 4096  # per launcher, like the launch plans' cache (flash_fwd._MAX_PLANS)
 
