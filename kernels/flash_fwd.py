@@ -5,7 +5,8 @@ Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two til
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
 through zero strides. On Hopper, K and V tiles of the longest kernels (16,384 tokens and up at SD
 sizes: :data:`TMA_MIN_FLOP`) come through TMA descriptors (:func:`kv_operands`); elsewhere through
-pointer loads.
+pointer loads. On Hopper, unmasked self-attention at head dims up to 64 goes to the Gluon kernel of
+:mod:`flash_fwd_hopper` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flash_fwd_hopper
 from .native import Site
 
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
@@ -633,12 +635,19 @@ def flash_attn_fwd(
     (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
+    Default calls (no config, split_head_dim or kv_tma) that :func:`flash_fwd_hopper.serves` run
+    on the Gluon Hopper kernel instead.
     """
     default = config is None and split_head_dim is None and kv_tma is None
     if default:  # a layout seen before, replayed natively
         found = _native_fwd.run((q, k, v, mask), (scale, float(return_lse)), q.get_device())
         if found is not None:
             return found
+        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 64, self-attention
+            try:
+                return flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse)
+            except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
+                flash_fwd_hopper.disable(e)
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.

@@ -8,6 +8,8 @@
 - Launches with B*H > 65,535 and with long sequences.
 - The native launch path (``sdpatch.kernels.native``) serves a layout's fourth call, bit for bit as
   the Python launchers.
+- The Gluon Hopper forward (``sdpatch.kernels.flash_fwd_hopper``) against float64, and its
+  log-sum-exp against the Triton kernel's, wherever its layout rules take a case.
 Prints one line per check and exits non-zero if any fails.
 """
 
@@ -19,7 +21,7 @@ import sys
 import torch
 
 from sdpatch import attention
-from sdpatch.kernels import flash_bwd, flash_fwd, native
+from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper, native
 from sdpatch.reference import attention_ref
 
 from _bench import make_mask, peak_over
@@ -60,6 +62,7 @@ CASES = [
     (2, 8, 1024, 1024, 80, torch.float16, "bool", "sliced"),
     (2, 8, 1024, 1024, 160, torch.float16, "additive", "bnhd"),
     (2, 10, 4096, 4096, 64, torch.float16, None, "bnhd"),
+    (2, 20, 1024, 1024, 64, torch.float16, None, "bnhd"),  # SDXL's level 3: the Gluon kernel checked, not served
     (1, 4, 97, 97, 40, torch.float32, "bool", "contiguous"),
     (1, 2, 1, 1, 1, torch.float16, None, "contiguous"),
     (1, 1, 4096, 4096, 512, torch.float16, None, "contiguous"),
@@ -106,6 +109,21 @@ def check_case(B, H, Nq, Nk, D, dtype, mk, layout, call="") -> None:
         report(f"bwd triton {name}", max(errs) <= RTOL[dtype], "dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs))
     if call.endswith("native") and D <= 256:
         check_native(q, k, v, m, do if q.requires_grad else None, name)
+    if call == "" and flash_fwd_hopper.hopper_fwd_ok(q, k, v, m):
+        check_gluon(q.detach(), k.detach(), v.detach(), ref, name)
+
+
+def check_gluon(q, k, v, ref, name) -> None:
+    """The Gluon Hopper forward against float64 and against the Triton kernel's log-sum-exp (the
+    backward takes it), whether or not default calls go to it at this shape."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True)
+    _, lse_triton = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
+    e = rel(out[:1, :2], ref)
+    e_lse = (lse - lse_triton).abs().max().item()
+    served = flash_fwd_hopper.serves(q, k, v, None)
+    report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
+           f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, default calls {'served' if served else 'not served'}")
 
 
 def check_native(q, k, v, m, do, name) -> None:
@@ -120,7 +138,8 @@ def check_native(q, k, v, m, do, name) -> None:
         out_py = attention(q, k, v, attn_mask=m, backend="triton")
         grads_py = torch.autograd.grad(attention(q, k, v, attn_mask=m, backend="triton"), (q, k, v), do) if do is not None else ()
     same = torch.equal(out, out_py) and all(torch.equal(a, b) for a, b in zip(grads, grads_py))
-    want = [2, 1] if do is not None else [1, 0]  # forwards (one for inference, one for autograd), backwards
+    fwds = 0 if flash_fwd_hopper.serves(q, k, v, m) else (2 if do is not None else 1)  # Gluon's: launched from Python
+    want = [fwds, 1 if do is not None else 0]  # forwards (one for inference, one for autograd), backwards
     report(f"native {name}", same and served == want, f"calls served natively (fwd, bwd) {served}, want {want};"
            f" {'equal' if same else 'DIFFERENT'} to the Python launchers' results")
 

@@ -1,0 +1,249 @@
+"""Hopper forward kernel in Gluon: the softmax of one key tile overlaps the matrix multiplies of its
+neighbours (FlashAttention-3's intra-warpgroup pipelining).
+
+Triton keeps a program's dots and softmax in program order, so :mod:`flash_fwd`'s kernel cannot
+overlap them (docs/benchmarks.md, v5-v9). Gluon exposes what the compiler hides: asynchronous
+warpgroup MMAs with explicit waits, and TMA loads into a ring of shared-memory stages guarded by
+mbarriers. Per key tile j the loop issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, waits for S_j
+only, and computes P_j while the second MMA runs.
+
+Q, K, V and O go through 4-D TMA descriptors over their (B, H, N, D) views, so any layout whose last
+dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N or D read zeros and
+write nothing: odd lengths need no masks but the last key tile's, and head dims pad to the next power
+of two (40 to 64) in shared memory only.
+
+sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
+:func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
+under ``TRITON_INTERPRET``: CI compiles this one for sm_90, and the GPU checks run it against float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import triton
+
+try:  # Gluon's Hopper API: triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # triton 3.7 renamed the TMA copies (the old names raise there).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+except ImportError:  # older triton: the Triton kernel serves every call
+    gluon = None
+
+log = logging.getLogger(__name__)
+
+# Where this kernel serves flash_attn_fwd's default calls: measured against the Triton kernel on an
+# H200 (docs/benchmarks.md, v11): faster at head dims 40 and 64 on self-attention; slower at 80
+# (padded to 128) and on 77 keys, where the Triton kernel keeps the call.
+MAX_HEAD_DIM = 64
+MIN_KEYS = 512
+# Below this many FLOPs (4·B·H·Nq·Nk·D) a call's kernel is too short to pay for a JIT launch's host time.
+MIN_FLOP = 2e10
+ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
+_failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
+
+
+def config_for(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, STAGES): one warpgroup a program, so that two share an SM and
+    one's softmax also overlaps the other's MMAs. A padded head dim (40 in 64) takes 128 query rows:
+    with 64, its programs re-read K and V from L2 faster than L2 serves them (175 against 257 TFLOP/s)."""
+    return (64, 128, 4, 2) if head_dim == triton.next_power_of_2(head_dim) else (128, 64, 4, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
+    """Whether the kernel takes these inputs: no mask, fp16 or bf16, a head dim up to 128, and what
+    TMA needs (16-byte aligned bases and strides, the last dim contiguous)."""
+    if mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        return False
+    if q.shape[3] > 128:
+        return False
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
+               for t in (q, k, v))
+
+
+def hopper_fwd_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
+    """Whether :func:`hopper_attn_fwd` can serve this call: Gluon, an sm_90 GPU, :func:`layout_ok`."""
+    return gluon is not None and q.is_cuda and _is_sm90(q.get_device()) and layout_ok(q, k, v, mask)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
+    """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MAX_HEAD_DIM`)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    return (ENABLED and not _failed and D <= MAX_HEAD_DIM and Nk >= MIN_KEYS and 4 * B * H * Nq * Nk * D >= MIN_FLOP
+            and hopper_fwd_ok(q, k, v, mask))
+
+
+def disable(err: Exception) -> None:
+    """After a launch that raised (a Gluon API this triton lacks, say): the Triton kernel from now on."""
+    _failed.append(f"{type(err).__name__}: {err}")
+    log.warning("sdpatch: the Gluon Hopper kernel failed (%s); the Triton kernel serves from now on", _failed[-1])
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _scores_tail(scores, start, N_K, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """Keys past N_K (zeros from TMA) out of the softmax: only the last tile needs this."""
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        return gl.where((offs_n < N_K - start)[None, :], scores, float("-inf"))
+
+    @gluon.jit
+    def _attn_fwd_hopper(
+        q_desc, k_desc, v_desc, o_desc, Lse,
+        qk_scale, H, N_Q, N_K,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        STAGES: gl.constexpr, STORE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        off_m = pid_m * BLOCK_M
+        n_tiles = gl.cdiv(N_K, BLOCK_N)
+        dtype: gl.constexpr = q_desc.dtype
+
+        # S's and O's MMA layouts differ only in N; P feeds the second MMA from registers.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        # -- shared memory: Q, a ring of K and V stages, their barriers --------------------------
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(s), count=1)
+            mbarrier.init(v_bars.index(s), count=1)
+        q_op = q_smem.reshape([BLOCK_M, BLOCK_D])
+
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, off_m, 0], q_bar, q_smem)
+        for s in gl.static_range(STAGES):
+            live = s < n_tiles
+            mbarrier.expect(k_bars.index(s), kv_bytes, pred=live)
+            _tma_load(k_desc, [b, h, s * BLOCK_N, 0], k_bars.index(s), k_smem.index(s), pred=live)
+            mbarrier.expect(v_bars.index(s), kv_bytes, pred=live)
+            _tma_load(v_desc, [b, h, s * BLOCK_N, 0], v_bars.index(s), v_smem.index(s), pred=live)
+
+        # -- tile 0: its scores, then its softmax, with nothing to overlap -----------------------
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_bars.index(0), 0)
+        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        scores = warpgroup_mma_wait(0, deps=(s_tok, ))
+        refill = STAGES < n_tiles
+        mbarrier.expect(k_bars.index(0), kv_bytes, pred=refill)
+        _tma_load(k_desc, [b, h, STAGES * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=refill)
+        if BLOCK_N > N_K:
+            scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
+        # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
+        m_i = gl.max(scores, axis=1) * qk_scale
+        p = gl.exp2(scores * qk_scale - m_i[:, None])
+        l_i = gl.sum(p, axis=1)
+        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
+
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            prev = (j - 1) % STAGES
+            # -- issue S_j, then O += P_{j-1} V_{j-1}; wait for S_j only ------------------------
+            mbarrier.wait(k_bars.index(st), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+            scores = warpgroup_mma_wait(1, deps=(s_tok, ))
+            if num_warps > 4:  # every warpgroup reads K_j: none may refill it before all are done
+                gl.thread_barrier()
+            nxt = j + STAGES
+            refill = nxt < n_tiles
+            mbarrier.expect(k_bars.index(st), kv_bytes, pred=refill)
+            _tma_load(k_desc, [b, h, nxt * BLOCK_N, 0], k_bars.index(st), k_smem.index(st), pred=refill)
+            # -- softmax of tile j while P_{j-1} V_{j-1} runs ------------------------------------
+            if (j + 1) * BLOCK_N > N_K:
+                scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
+            m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            # P_{j-1} stays in deps: its registers must outlive the MMA that reads them.
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            if num_warps > 4:
+                gl.thread_barrier()
+            refill = nxt - 1 < n_tiles
+            mbarrier.expect(v_bars.index(prev), kv_bytes, pred=refill)
+            _tma_load(v_desc, [b, h, (nxt - 1) * BLOCK_N, 0], v_bars.index(prev), v_smem.index(prev),
+                                            pred=refill)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+
+        # -- the last tile's P V, then the epilogue ----------------------------------------------
+        last = (n_tiles - 1) % STAGES
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        mbarrier.invalidate(q_bar)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(s))
+            mbarrier.invalidate(v_bars.index(s))
+
+        o_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], o_desc.layout)
+        o_smem.reshape([BLOCK_M, BLOCK_D]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, off_m, 0], o_smem)
+        if STORE_LSE:  # base-2 log-sum-exp of the scaled scores, as the Triton kernel stores it
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            gl.store(Lse + pid_bh.to(gl.int64) * N_Q + offs_m, m_i + gl.log2(l_i), mask=offs_m < N_Q)
+        tma.store_wait(pendings=0)
+
+
+def _descriptor(t: torch.Tensor, rows: int, width: int):
+    gl_dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    block = [1, 1, rows, width]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
+                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward on the Gluon kernel; arguments and results as :func:`flash_fwd.flash_attn_fwd`'s
+    (no mask). ``config``: (BLOCK_M, BLOCK_N, num_warps, STAGES), else :func:`config_for`'s."""
+    assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 128 and TMA-aligned strides (hopper_fwd_ok)"
+    B, H, Nq, D = q.shape
+    assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
+    block_d = triton.next_power_of_2(max(D, 16))
+    block_m, block_n, num_warps, stages = config or config_for(D)
+    assert block_m % (16 * num_warps) == 0, f"BLOCK_M={block_m}: 16-row MMA slices, as many for each of {num_warps} warps"
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32) if return_lse else None
+    grid = (triton.cdiv(Nq, block_m), B * H)
+    _attn_fwd_hopper[grid](
+        _descriptor(q, block_m, block_d), _descriptor(k, block_n, block_d), _descriptor(v, block_n, block_d),
+        _descriptor(out, block_m, block_d), lse, scale * 1.44269504,  # 1/ln 2
+        H, Nq, k.shape[2],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, STAGES=stages, STORE_LSE=return_lse, num_warps=num_warps)
+    return out, lse

@@ -1,0 +1,100 @@
+"""Probe: the Gluon Hopper forward (``kernels/flash_fwd_hopper.py``) against sdpatch's Triton kernel
+and cuDNN, on issue 6's cases. (Needs an sm_90 GPU and triton 3.5 or later.)
+
+    python scripts/probe_gluon.py --json probe_gluon.json
+
+First a correctness pass over odd shapes (output and log-sum-exp against float64, whole tensors),
+then kernel time by CUDA-graph replay for each tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sdpatch.kernels.flash_fwd import flash_attn_fwd
+from sdpatch.kernels.flash_fwd_hopper import hopper_attn_fwd
+from sdpatch.reference import attention_ref
+
+from _bench import Case, case_inputs, environment, probe_row, probe_summary
+
+CASES = [
+    Case("hd40 4096", 2, 8, 4096, 4096, 40),
+    Case("hd40 16384", 2, 8, 16384, 16384, 40),
+    Case("hd80 4096", 2, 8, 4096, 4096, 80),
+    Case("hd64 4096", 2, 10, 4096, 4096, 64),
+    Case("hd64 1024", 2, 20, 1024, 1024, 64),
+    Case("x77 hd40 4096", 2, 8, 4096, 77, 40),
+    Case("x77 hd64 4096", 2, 10, 4096, 77, 64),
+]
+# (BLOCK_M, BLOCK_N, num_warps, STAGES)
+TILES = {64: [(64, 128, 4, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 32, 4, 3)],
+         128: [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2)]}
+# B, H, Nq, Nk, D, dtype, layout ("bnhd": diffusers' (B, N, H, D) memory)
+ODD = [(1, 2, 97, 97, 40, torch.float16, "bnhd"), (2, 3, 1025, 77, 40, torch.float16, "bnhd"),
+       (1, 2, 4097, 4097, 64, torch.bfloat16, "contiguous"), (2, 2, 300, 1000, 80, torch.float16, "contiguous"),
+       (1, 1, 1, 1, 16, torch.float16, "contiguous"), (2, 10, 4096, 77, 64, torch.bfloat16, "bnhd"),
+       (1, 2, 130, 129, 128, torch.float16, "bnhd")]
+
+
+def check_odd() -> list[dict]:
+    rows = []
+    for B, H, Nq, Nk, D, dtype, layout in ODD:
+        def r(n):
+            t = torch.randn(B, n, H, D, device="cuda", dtype=dtype)
+            return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
+
+        q, k, v = r(Nq), r(Nk), r(Nk)
+        scale = 1 / math.sqrt(D)
+        out, lse = hopper_attn_fwd(q, k, v, scale, return_lse=True)
+        ref = attention_ref(q, k, v)
+        s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+        lse_ref = torch.logsumexp(s, -1) / math.log(2)
+        e = ((out.double() - ref).norm() / ref.norm()).item()
+        e_lse = (lse.double() - lse_ref).abs().max().item()
+        ok = e < 1e-2 and e_lse < 1e-2 and out.stride() == q.stride()
+        rows.append(dict(shape=f"B{B}-H{H}-N{Nq}x{Nk}-D{D}-{str(dtype)[6:]}-{layout}", rel_err=e, lse_max_err=e_lse, ok=ok))
+        print(f"{'PASS' if ok else 'FAIL'} {rows[-1]['shape']}: rel err {e:.2e}, lse max err {e_lse:.2e}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    odd = check_odd()
+    rows = []
+    for c in CASES:
+        q, k, v = case_inputs(c)
+        scale = 1 / math.sqrt(c.D)
+        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
+        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
+
+        def error_of(out) -> float:
+            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        rows.append(probe_row(c.name, "sdpatch", lambda: flash_attn_fwd(q, k, v, scale)[0], flops, error_of))
+        rows.append(probe_row(c.name, "cudnn", cudnn, flops, error_of))
+        for tile in TILES[64 if c.D <= 64 else 128]:
+            rows.append(probe_row(c.name, f"gluon {tile}", lambda tile=tile: hopper_attn_fwd(q, k, v, scale, config=tile)[0],
+                                  flops, error_of))
+        del q, k, v
+        torch.cuda.empty_cache()
+    names = [c.name for c in CASES]
+    probe_summary(rows, names, "gluon", "cudnn", None)
+    probe_summary(rows, names, "gluon", "sdpatch", None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "odd": odd, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The Gluon Hopper forward: which calls it takes, and that it compiles for sm_90 on this triton.
+Gluon kernels do not run under the interpreter; scripts/check_gpu.py runs this one against float64."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sdpatch.kernels import flash_fwd_hopper as fh
+
+
+def qkv(dtype=torch.float16, D=40, layout="bnhd", Nq=64, Nk=64):
+    def r(n):
+        if layout == "bnhd":  # diffusers' (B, N, H, D) memory
+            return torch.randn(2, n, 3, D, dtype=dtype).transpose(1, 2)
+        if layout == "sliced":  # last dim contiguous, base 6 bytes past a 16-byte boundary
+            return torch.randn(2, 3, n, D + 8, dtype=dtype)[..., 3 : D + 3]
+        return torch.randn(2, 3, n, D, dtype=dtype)
+
+    return r(Nq), r(Nk), r(Nk)
+
+
+LAYOUTS = [  # (id, q/k/v, mask, taken)
+    ("fp16-D40-bnhd", qkv(), None, True),
+    ("bf16-D64-contiguous", qkv(torch.bfloat16, 64, "contiguous"), None, True),
+    ("fp16-D128-bnhd", qkv(D=128), None, True),
+    ("fp16-D40-x77", qkv(Nk=77), None, True),
+    ("masked", qkv(), torch.ones(1, 1, 64, 64, dtype=torch.bool), False),
+    ("fp32", qkv(torch.float32), None, False),
+    ("fp16-D160", qkv(D=160), None, False),
+    ("fp16-D40-misaligned", qkv(layout="sliced"), None, False),
+    ("fp16-D4-rows-8-bytes", qkv(D=4, layout="contiguous"), None, False),  # strides of 8 bytes: no TMA
+    ("last-dim-strided", tuple(t.transpose(2, 3).contiguous().transpose(2, 3) for t in qkv(D=64, layout="contiguous")), None, False),
+]
+
+
+@pytest.mark.parametrize("q,k,v,mask,taken", [(*t[1], t[2], t[3]) for t in LAYOUTS], ids=[t[0] for t in LAYOUTS])
+def test_layout_ok(q, k, v, mask, taken):
+    assert fh.layout_ok(q, k, v, mask) is taken
+
+
+def test_cpu_tensors_never_taken():
+    q, k, v = qkv(Nq=4096, Nk=4096)
+    assert not fh.hopper_fwd_ok(q, k, v, None)
+    assert not fh.serves(q, k, v, None)
+
+
+@pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 2)), (64, (64, 128, 4, 2)), (16, (64, 128, 4, 2)), (80, (128, 64, 4, 2))])
+def test_config_for(D, config):
+    assert fh.config_for(D) == config
+
+
+# Compiles the kernel for sm_90 in a process of its own: under TRITON_INTERPRET (set for every test)
+# Gluon cannot reference the interpreted standard library. A stand-in for Triton's active driver
+# gives the target; nothing is launched.
+COMPILE = """
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from sdpatch.kernels import flash_fwd_hopper as fh
+
+class Sm90:
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_active_torch_device(self): return torch.device("cpu")
+
+D, lse = int(sys.argv[1]), sys.argv[2] == "1"
+q = torch.empty(2, 256, 3, D, dtype=torch.float16).transpose(1, 2)
+block_d = triton.next_power_of_2(max(D, 16))
+bm, bn, warps, stages = fh.config_for(D)
+triton.runtime.driver.set_active(Sm90())
+k = fh._attn_fwd_hopper.warmup(
+    fh._descriptor(q, bm, block_d), fh._descriptor(q, bn, block_d), fh._descriptor(q, bn, block_d),
+    fh._descriptor(q, bm, block_d), torch.empty(q.shape[:3]) if lse else None, 0.2, 3, 256, 256,
+    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, STAGES=stages, STORE_LSE=lse, num_warps=warps, grid=(1,))
+print(json.dumps(k.asm["ptx"]))
+"""
+
+
+@pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("D,lse", [(40, False), (40, True), (64, False), (128, True)], ids=["D40", "D40-lse", "D64", "D128-lse"])
+def test_compiles_for_sm90(D, lse):
+    """The kernel builds to an sm_90 binary with its asynchronous MMAs and TMA copies, on whatever
+    triton CI installs: Gluon's API moves between releases (3.7 renamed the TMA copies)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse))], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx  # S_j waited for alone
+    assert "cp.async.bulk.tensor.4d" in ptx
+    assert ("st.global" in ptx) is lse
