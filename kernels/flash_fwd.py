@@ -646,6 +646,8 @@ def flash_attn_fwd(
         if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 64, self-attention
             try:
                 return flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse)
+            except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
+                raise
             except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
                 flash_fwd_hopper.disable(e)
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free

@@ -94,3 +94,23 @@ def test_compiles_for_sm90(D, lse):
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx  # S_j waited for alone
     assert "cp.async.bulk.tensor.4d" in ptx
     assert ("st.global" in ptx) is lse
+
+
+def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch, caplog):
+    """A Gluon launch that raises (say, an API this triton changed) costs one warning, not the call."""
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.reference import attention_ref
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: not fh._failed)
+    monkeypatch.setattr(fh, "hopper_attn_fwd", broken)
+    monkeypatch.setattr(fh, "_failed", [])
+    q, k, v = qkv(torch.float32, D=16, Nq=33, Nk=17)
+    for _ in range(2):
+        out, _ = flash_attn_fwd(q, k, v, 0.25)
+        ref = attention_ref(q, k, v, scale=0.25)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
+    assert fh._failed == ["RuntimeError: no such Gluon op"]
+    assert sum("Gluon Hopper kernel failed" in r.message for r in caplog.records) == 1
