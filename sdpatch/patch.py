@@ -149,6 +149,7 @@ def patch_unet(
     backend: str = "auto",
     include_vae: bool = True,
     chunk_budget: int | None = None,
+    recompute: bool = True,
 ) -> PatchReport:
     """Serve the attention layers of a diffusers model or pipeline with :func:`sdpatch.attention`.
 
@@ -162,6 +163,10 @@ def patch_unet(
             head dim 512 (pass ``include_vae=False``).
         include_vae: whether a pipeline's ``vae`` is patched too.
         chunk_budget: bytes of score buffer for the chunked backend (``None``: its default).
+        recompute: in training, each patched layer keeps only its inputs for the backward and
+            recomputes its projections and attention forward there, instead of keeping q, k, v
+            and the attention output (see :class:`SdpatchAttnProcessor`). No effect on calls
+            that build no graph (inference, ``torch.no_grad``, frozen layers on frozen inputs).
 
     Returns:
         A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the
@@ -172,13 +177,16 @@ def patch_unet(
 
     Raises:
         TypeError: ``target`` has no diffusers Attention layers.
-        ValueError: unknown ``backend``, or a ``chunk_budget`` that is not a positive int.
+        ValueError: unknown ``backend``, a ``chunk_budget`` that is not a positive int, or a
+            ``recompute`` that is not a bool.
         BackendUnavailableError: ``backend`` cannot serve a layer; the message names it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if chunk_budget is not None and (type(chunk_budget) is not int or chunk_budget <= 0):
         raise ValueError(f"chunk_budget must be a positive number of bytes or None, got {chunk_budget!r}")
+    if type(recompute) is not bool:
+        raise ValueError(f"recompute must be True or False, got {recompute!r}")
     layers = _attention_layers(target, include_vae)
     plan = []
     for name, attn in layers:  # check every layer before changing any
@@ -199,9 +207,14 @@ def patch_unet(
 
     for name, attn, original in plan:
         fused = type(original) is _FUSED
-        attn.set_processor(SdpatchAttnProcessor(name, backend=backend, chunk_budget=chunk_budget, fused=fused))
+        attn.set_processor(
+            SdpatchAttnProcessor(name, backend=backend, chunk_budget=chunk_budget, fused=fused, recompute=recompute)
+        )
         setattr(attn, _ORIGINAL, original)
-    logger.info("%d attention layers patched (backend=%s), %d kept", len(plan), backend, len(layers) - len(plan))
+    logger.info(
+        "%d attention layers patched (backend=%s, recompute=%s), %d kept",
+        len(plan), backend, recompute, len(layers) - len(plan),
+    )
     return patch_report(target, include_vae=include_vae)
 
 

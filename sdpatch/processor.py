@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .attention import BackendUnavailableError, Fallback, attention
 
@@ -43,19 +44,35 @@ class SdpatchAttnProcessor:
             does. Set when the processor it replaces was the fused one: diffusers'
             ``unfuse_qkv_projections`` restores processors but leaves ``attn.fused_projections``
             set, so the module's flag cannot be trusted.
+        recompute: when a call builds a graph (grad enabled, and its inputs or the layer's
+            parameters require grad), keep only the layer's inputs for the backward and recompute
+            the rest there (non-reentrant activation checkpointing of the layer). Otherwise autograd
+            keeps q, k, v, the attention output and the log-sum-exp, and under fp16 autocast one
+            half-precision copy of the input per projection: at SD 1.5's 768² that is most of what
+            the attention layers hold at a training step's peak. The backward then runs the
+            layer's forward once more (projections and attention forward, no score matrix).
     """
 
-    def __init__(self, name: str, *, backend: str = "auto", chunk_budget: int | None = None, fused: bool = False):
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str = "auto",
+        chunk_budget: int | None = None,
+        fused: bool = False,
+        recompute: bool = True,
+    ):
         self.name = name
         self.backend = backend
         self.chunk_budget = chunk_budget
         self.fused = fused
+        self.recompute = recompute
         self.last_call: LastCall | None = None
         self.fallbacks = 0  # calls that the chunked backend served after the chosen one failed
         self.last_fallback: Fallback | None = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, backend={self.backend!r})"
+        return f"{type(self).__name__}({self.name!r}, backend={self.backend!r}, recompute={self.recompute})"
 
     def _fell_back(self, event: Fallback) -> None:
         self.fallbacks += 1
@@ -72,6 +89,21 @@ class SdpatchAttnProcessor:
         **kwargs,
     ) -> torch.Tensor:
         # Extra arguments (the deprecated `scale`, ...) are ignored, as the stock processors do.
+        inputs = (attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+        if self.recompute and torch.is_grad_enabled() and _builds_graph(*inputs):
+            # RNG state is kept and replayed (a LoRA's dropout draws the same mask twice); a
+            # recomputation that saves other tensors than the forward did raises, never mixes them.
+            return checkpoint(self._layer, *inputs, use_reentrant=False)
+        return self._layer(*inputs)
+
+    def _layer(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        temb: torch.Tensor | None,
+    ) -> torch.Tensor:
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)
@@ -148,3 +180,8 @@ class SdpatchAttnProcessor:
         if attn.rescale_output_factor != 1.0:  # dividing by 1 is exact: skip its kernel, and its backward's
             hidden_states = hidden_states / attn.rescale_output_factor
         return hidden_states
+
+
+def _builds_graph(attn: Attention, *tensors: torch.Tensor | None) -> bool:
+    """Whether a call with grad enabled records anything for a backward."""
+    return any(t is not None and t.requires_grad for t in tensors) or any(p.requires_grad for p in attn.parameters())

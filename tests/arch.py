@@ -128,7 +128,7 @@ def build(arch: str, seed: int = 0) -> torch.nn.Module:
     return ARCHS[arch].build().eval()
 
 
-def add_lora(unet: UNet2DConditionModel, seed: int = 1) -> None:
+def add_lora(unet: UNet2DConditionModel, seed: int = 1, dropout: float = 0.0) -> None:
     """A peft LoRA adapter on every attention projection, through diffusers' ``add_adapter``.
 
     ``init_lora_weights=False`` makes B random instead of zero, so the adapter changes the output.
@@ -137,7 +137,8 @@ def add_lora(unet: UNet2DConditionModel, seed: int = 1) -> None:
 
     torch.manual_seed(seed)
     targets = ["to_q", "to_k", "to_v", "to_out.0"]
-    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+    config = LoraConfig(r=4, lora_alpha=4, lora_dropout=dropout, target_modules=targets, init_lora_weights=False)
+    unet.add_adapter(config)
 
 
 def sd_pipeline(xl: bool = False):

@@ -325,18 +325,36 @@ def test_extra_arguments_are_ignored(sd15):
     assert torch.equal(plain, extra)
 
 
-@pytest.mark.parametrize("backend", ["chunked", "sdpa"])
-@pytest.mark.parametrize("lora", [pytest.param(False, id="full"), pytest.param(True, id="lora")])
-def test_train_mode_gradients(backend, lora):
+LORA = {"full": None, "lora": 0.0, "lora-dropout": 0.5}  # fine-tune kind: None, or the LoRA's dropout
+
+
+TRAIN_CASES = [
+    pytest.param(backend, recompute, lora, False, id=f"{lora}-{'recompute' if recompute else 'keep'}-{backend}")
+    for backend in ("chunked", "sdpa")
+    for recompute in (True, False)
+    for lora in LORA
+]
+# Diffusers' gradient checkpointing: a recomputed layer is recomputed inside a recomputed block.
+TRAIN_CASES.append(pytest.param("chunked", True, "lora-dropout", True, id="lora-dropout-recompute-chunked-unet-ckpt"))
+
+
+@pytest.mark.parametrize("backend, recompute, lora, checkpointing", TRAIN_CASES)
+def test_train_mode_gradients(backend, recompute, lora, checkpointing):
+    """A training step's gradients equal stock's. With dropout in the LoRA, only a recomputation
+    that replays the forward's random state draws the same masks in the backward."""
+
     def grads(patched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         model = arch.build("sd15").train()
-        if lora:
-            arch.add_lora(model)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        if LORA[lora] is not None:
+            arch.add_lora(model, dropout=LORA[lora])
         if patched:
-            patch_unet(model, backend=backend)
+            patch_unet(model, backend=backend, recompute=recompute)
         kw = arch.unet_inputs(model)
         kw["sample"].requires_grad_(True)
         target = torch.randn(kw["sample"].shape, generator=torch.Generator().manual_seed(3))
+        torch.manual_seed(4)
         loss = torch.nn.functional.mse_loss(model(**kw).sample, target)
         loss.backward()
         params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -347,6 +365,64 @@ def test_train_mode_gradients(backend, lora):
     assert params.shape == ref_params.shape
     assert rel_err(params, ref_params) <= GRAD_RTOL
     assert rel_err(inputs, ref_input) <= GRAD_RTOL
+
+
+def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch) -> tuple[int, int]:
+    """Bytes a training forward keeps for its backward: every tensor autograd saves, and every
+    tensor a recomputed layer keeps as its input, counted once per storage. Also the number of
+    layers that ran under recomputation."""
+    from sdpatch import processor
+
+    kept: dict[int, int] = {}
+    layers_recomputed = 0
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def checkpoint(fn, *args, **kwargs):
+        nonlocal layers_recomputed
+        layers_recomputed += 1
+        for a in args:
+            keep(a)
+        return real(fn, *args, **kwargs)
+
+    real = processor.checkpoint
+    monkeypatch.setattr(processor, "checkpoint", checkpoint)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = model(**kw).sample  # alive until counted: what autograd saved stays alive with it
+    monkeypatch.setattr(processor, "checkpoint", real)
+    assert out.requires_grad
+    return sum(kept.values()), layers_recomputed
+
+
+def test_recompute_keeps_only_layer_inputs(sd15, monkeypatch):
+    """With recomputation a training forward keeps at least every attention layer's q, k, v and
+    output less than without; calls that build no graph are not recomputed."""
+    kw = arch.unet_inputs(sd15.train())
+    patch_unet(sd15, backend="chunked", recompute=False)
+    without, none = retained_bytes(sd15, kw, monkeypatch)
+    activations = 0
+    for attn in layers(sd15).values():
+        call = attn.processor.last_call
+        batch, width, size = kw["sample"].shape[0], attn.inner_dim, call.dtype.itemsize
+        activations += 2 * batch * width * size * (call.nq + call.nk)  # q and the output; k and v
+    patch_unet(sd15, backend="chunked")
+    with_recompute, recomputed = retained_bytes(sd15, kw, monkeypatch)
+    assert (none, recomputed) == (0, len(layers(sd15)))
+    assert without - with_recompute >= activations
+
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("a call that builds no graph went through checkpoint")
+
+    from sdpatch import processor
+
+    monkeypatch.setattr(processor, "checkpoint", no_checkpoint)
+    run(sd15, kw)
+    sd15.requires_grad_(False)
+    with torch.enable_grad():
+        sd15(**kw)
 
 
 # -- the report ---------------------------------------------------------------------------------
