@@ -149,7 +149,7 @@ def patch_unet(
     backend: str = "auto",
     include_vae: bool = True,
     chunk_budget: int | None = None,
-    recompute: bool = True,
+    recompute: bool = False,
 ) -> PatchReport:
     """Serve the attention layers of a diffusers model or pipeline with :func:`sdpatch.attention`.
 
@@ -165,8 +165,9 @@ def patch_unet(
         chunk_budget: bytes of score buffer for the chunked backend (``None``: its default).
         recompute: in training, each patched layer keeps only its inputs for the backward and
             recomputes its projections and attention forward there, instead of keeping q, k, v
-            and the attention output (see :class:`SdpatchAttnProcessor`). No effect on calls
-            that build no graph (inference, ``torch.no_grad``, frozen layers on frozen inputs).
+            and the attention output: less peak memory for a slower step (see
+            :class:`SdpatchAttnProcessor`). No effect on calls that build no graph (inference,
+            ``torch.no_grad``, frozen layers on frozen inputs).
 
     Returns:
         A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the

@@ -47,10 +47,10 @@ class SdpatchAttnProcessor:
         recompute: when a call builds a graph (grad enabled, and its inputs or the layer's
             parameters require grad), keep only the layer's inputs for the backward and recompute
             the rest there (non-reentrant activation checkpointing of the layer). Otherwise autograd
-            keeps q, k, v, the attention output and the log-sum-exp, and under fp16 autocast one
-            half-precision copy of the input per projection: at SD 1.5's 768² that is most of what
-            the attention layers hold at a training step's peak. The backward then runs the
-            layer's forward once more (projections and attention forward, no score matrix).
+            keeps q, k, v, the attention output and the log-sum-exp. The backward then runs the
+            layer's forward once more (projections and attention, no score matrix): on SD 1.5 at
+            768², batch 4, 10 % less peak memory for a 1.2-1.3x slower step on an H200, whose step
+            is bound by the host's Python (docs/benchmarks.md, v12). Off by default.
     """
 
     def __init__(
@@ -60,7 +60,7 @@ class SdpatchAttnProcessor:
         backend: str = "auto",
         chunk_budget: int | None = None,
         fused: bool = False,
-        recompute: bool = True,
+        recompute: bool = False,
     ):
         self.name = name
         self.backend = backend
@@ -133,9 +133,12 @@ class SdpatchAttnProcessor:
         elif self.fused:
             query = attn.to_q(hidden_states)
             key, value = attn.to_kv(encoder_hidden_states).chunk(2, dim=-1)
+        elif encoder_hidden_states is None:
+            x_q, x_k, x_v = _cast_once(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+            query, key, value = attn.to_q(x_q), attn.to_k(x_k), attn.to_v(x_v)
         else:
-            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-            query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+            x_k, x_v = _cast_once(encoder_hidden_states, attn.to_k, attn.to_v)
+            query, key, value = attn.to_q(hidden_states), attn.to_k(x_k), attn.to_v(x_v)
 
         head_dim = key.shape[-1] // attn.heads
         query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
@@ -180,6 +183,41 @@ class SdpatchAttnProcessor:
         if attn.rescale_output_factor != 1.0:  # dividing by 1 is exact: skip its kernel, and its backward's
             hidden_states = hidden_states / attn.rescale_output_factor
         return hidden_states
+
+
+class _SharedCast(torch.autograd.Function):
+    """``x`` cast to ``dtype`` once, as ``copies`` views of one tensor, one per consumer.
+
+    Each view takes its own gradient, and the backward casts each back to ``x``'s dtype before
+    summing, as autograd does when every consumer casts ``x`` itself.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype, copies: int) -> tuple[torch.Tensor, ...]:
+        ctx.input_dtype = x.dtype
+        y = x.to(dtype)
+        return (y, *(y.view_as(y) for _ in range(copies - 1)))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        parts = [g.to(ctx.input_dtype) for g in grads if g is not None]
+        return (sum(parts[1:], parts[0]) if parts else None), None, None
+
+
+def _cast_once(x: torch.Tensor, *projections: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """``x`` for each projection. Under autocast each ``nn.Linear`` casts an fp32 input itself,
+    and each keeps its own half-precision copy for the backward: three copies of a self-attention
+    layer's input, where one has the same values. Cast once and share it. Only for plain
+    ``nn.Linear`` projections, whose autocast cast is exactly this one; any other module (a LoRA
+    wrapper, a quantized linear) gets ``x`` as it came."""
+    device = x.device.type
+    if (
+        x.dtype != torch.float32
+        or not torch.is_autocast_enabled(device)
+        or not all(type(p) is torch.nn.Linear for p in projections)
+    ):
+        return (x,) * len(projections)
+    return _SharedCast.apply(x, torch.get_autocast_dtype(device), len(projections))
 
 
 def _builds_graph(attn: Attention, *tensors: torch.Tensor | None) -> bool:

@@ -367,7 +367,7 @@ def test_train_mode_gradients(backend, recompute, lora, checkpointing):
     assert rel_err(inputs, ref_input) <= GRAD_RTOL
 
 
-def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch) -> tuple[int, int]:
+def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch, autocast: bool = False) -> tuple[int, int]:
     """Bytes a training forward keeps for its backward: every tensor autograd saves, and every
     tensor a recomputed layer keeps as its input, counted once per storage. Also the number of
     layers that ran under recomputation."""
@@ -390,7 +390,7 @@ def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch) -> tuple[int, 
 
     real = processor.checkpoint
     monkeypatch.setattr(processor, "checkpoint", checkpoint)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", enabled=autocast):
         out = model(**kw).sample  # alive until counted: what autograd saved stays alive with it
     monkeypatch.setattr(processor, "checkpoint", real)
     assert out.requires_grad
@@ -408,7 +408,7 @@ def test_recompute_keeps_only_layer_inputs(sd15, monkeypatch):
         call = attn.processor.last_call
         batch, width, size = kw["sample"].shape[0], attn.inner_dim, call.dtype.itemsize
         activations += 2 * batch * width * size * (call.nq + call.nk)  # q and the output; k and v
-    patch_unet(sd15, backend="chunked")
+    patch_unet(sd15, backend="chunked", recompute=True)
     with_recompute, recomputed = retained_bytes(sd15, kw, monkeypatch)
     assert (none, recomputed) == (0, len(layers(sd15)))
     assert without - with_recompute >= activations
@@ -423,6 +423,45 @@ def test_recompute_keeps_only_layer_inputs(sd15, monkeypatch):
     sd15.requires_grad_(False)
     with torch.enable_grad():
         sd15(**kw)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_autocast_projections_share_one_cast(cross):
+    """Under autocast, projections that read one fp32 input share one low-precision copy of it (on
+    CUDA, SD's LayerNorm outputs are fp32): a training forward keeps two fewer copies than stock in
+    self-attention (to_q, to_k, to_v) and one fewer in cross-attention (to_k, to_v), and its
+    gradients are no further from fp32's than stock's."""
+    torch.manual_seed(0)
+    attn = Attention(64, cross_attention_dim=48 if cross else None, heads=2, dim_head=32)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    context = torch.randn(2, 7, 48, requires_grad=True) if cross else None
+
+    def step(autocast: bool) -> tuple[torch.Tensor, int]:
+        attn.zero_grad()
+        kept = {}
+
+        def keep(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        inputs = [t * 1 for t in (x, context) if t is not None]  # not leaves: autocast caches leaves' casts
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", enabled=autocast):
+            out = attn(*inputs)
+        out.float().square().sum().backward()
+        grads = [p.grad.flatten() for p in attn.parameters()] + [t.grad.flatten() for t in (x, context) if t is not None]
+        for t in (x, context):
+            if t is not None:
+                t.grad = None
+        return torch.cat(grads), sum(kept.values())
+
+    exact, _ = step(False)
+    stock, stock_bytes = step(True)
+    attn.set_processor(SdpatchAttnProcessor("layer", backend="sdpa"))
+    shared, shared_bytes = step(True)
+    half = torch.get_autocast_dtype("cpu").itemsize
+    copy = context.numel() * half if cross else 2 * x.numel() * half
+    assert stock_bytes - shared_bytes == copy
+    assert rel_err(shared, exact) <= HALF_VS_STOCK * rel_err(stock, exact)
 
 
 # -- the report ---------------------------------------------------------------------------------
