@@ -257,13 +257,13 @@ def timed_ms(fn, calls: int = 1) -> float:
 
 def use_variant(unet, variant: str) -> None:
     """Give the UNet stock diffusers attention, or sdpatch's with ``variant`` as its backend; a
-    " keep" suffix ("auto keep") patches with ``recompute=False``."""
+    " recompute" suffix ("auto recompute") patches with ``recompute=True``."""
     import sdpatch
 
     backend, _, suffix = variant.partition(" ")
     sdpatch.unpatch_unet(unet)
     if backend != "stock":
-        sdpatch.patch_unet(unet, backend=backend, recompute=suffix != "keep")
+        sdpatch.patch_unet(unet, backend=backend, recompute=suffix == "recompute")
 
 
 def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> dict[str, list[float]]:
