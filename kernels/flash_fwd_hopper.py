@@ -52,11 +52,25 @@ ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
 
 
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(D_LO, D_HI): the head dim as a power of two plus a smaller one (40 = 32 + 16, 80 = 64 + 16,
+    160 = 128 + 32; parts of at least 16, an MMA's K), or (next power of two, 0) where splitting
+    saves no columns. The kernel runs each MMA once per part: at 40, 48 columns of work, not 64."""
+    full = triton.next_power_of_2(max(head_dim, 16))
+    if head_dim == full:
+        return full, 0
+    lo = full // 2
+    hi = max(16, triton.next_power_of_2(head_dim - lo))
+    return (lo, hi) if lo + hi < full else (full, 0)
+
+
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, STAGES): one warpgroup a program, so that two share an SM and
-    one's softmax also overlaps the other's MMAs. A padded head dim (40 in 64) takes 128 query rows:
-    with 64, its programs re-read K and V from L2 faster than L2 serves them (175 against 257 TFLOP/s)."""
-    return (64, 128, 4, 2) if head_dim == triton.next_power_of_2(head_dim) else (128, 64, 4, 2)
+    one's softmax also overlaps the other's MMAs. Head dims under 64 take 128 query rows: with 64,
+    hd40's programs re-read K and V from L2 faster than L2 serves them (175 against 257 TFLOP/s)."""
+    if head_dim < 64:
+        return 128, 64, 4, 2
+    return (64, 128, 4, 2) if head_dim <= 128 else (64, 64, 4, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,11 +79,11 @@ def _is_sm90(device_index: int) -> bool:
 
 
 def layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
-    """Whether the kernel takes these inputs: no mask, fp16 or bf16, a head dim up to 128, and what
+    """Whether the kernel takes these inputs: no mask, fp16 or bf16, a head dim up to 256, and what
     TMA needs (16-byte aligned bases and strides, the last dim contiguous)."""
     if mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         return False
-    if q.shape[3] > 128:
+    if q.shape[3] > 256:
         return False
     return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
                for t in (q, k, v))
@@ -103,12 +117,27 @@ if gluon is not None:
         return gl.where((offs_n < N_K - start)[None, :], scores, float("-inf"))
 
     @gluon.jit
+    def _load_tile(desc, hi_desc, b, h, row, D_LO: gl.constexpr, SPLIT: gl.constexpr, bar, smem, hi_smem, pred):
+        """A tile's column parts, both onto one barrier."""
+        if SPLIT:
+            mbarrier.expect(bar, desc.block_type.nbytes + hi_desc.block_type.nbytes, pred=pred)
+            _tma_load(desc, [b, h, row, 0], bar, smem, pred=pred)
+            _tma_load(hi_desc, [b, h, row, D_LO], bar, hi_smem, pred=pred)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+            _tma_load(desc, [b, h, row, 0], bar, smem, pred=pred)
+
+    @gluon.jit
     def _attn_fwd_hopper(
-        q_desc, k_desc, v_desc, o_desc, Lse,
+        q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse,
         qk_scale, H, N_Q, N_K,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr,
         STAGES: gl.constexpr, STORE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
+        # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
+        # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
+        # are not read.
+        SPLIT: gl.constexpr = D_HI > 0
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
         b = pid_bh // H
@@ -121,14 +150,27 @@ if gluon is not None:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_D, 16])
+                                                           instr_shape=[16, D_LO, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if SPLIT:
+            o_hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                  instr_shape=[16, D_HI, 16])
+            p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_hi_layout, k_width=2)
+            o_hi_rows: gl.constexpr = gl.SliceLayout(1, o_hi_layout)
 
         # -- shared memory: Q, a ring of K and V stages, their barriers --------------------------
-        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_LO], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_LO], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_LO], v_desc.layout)
+        if SPLIT:
+            q_hi_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_HI], q_hi_desc.layout)
+            k_hi_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_HI], k_hi_desc.layout)
+            v_hi_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_HI], v_hi_desc.layout)
+        else:  # never read: the first part's buffers stand in
+            q_hi_smem = q_smem
+            k_hi_smem = k_smem
+            v_hi_smem = v_smem
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -136,53 +178,64 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(k_bars.index(s), count=1)
             mbarrier.init(v_bars.index(s), count=1)
-        q_op = q_smem.reshape([BLOCK_M, BLOCK_D])
+        q_op = q_smem.reshape([BLOCK_M, D_LO])
 
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, off_m, 0], q_bar, q_smem)
+        _load_tile(q_desc, q_hi_desc, b, h, off_m, D_LO, SPLIT, q_bar, q_smem, q_hi_smem, True)
         for s in gl.static_range(STAGES):
             live = s < n_tiles
-            mbarrier.expect(k_bars.index(s), kv_bytes, pred=live)
-            _tma_load(k_desc, [b, h, s * BLOCK_N, 0], k_bars.index(s), k_smem.index(s), pred=live)
-            mbarrier.expect(v_bars.index(s), kv_bytes, pred=live)
-            _tma_load(v_desc, [b, h, s * BLOCK_N, 0], v_bars.index(s), v_smem.index(s), pred=live)
+            _load_tile(k_desc, k_hi_desc, b, h, s * BLOCK_N, D_LO, SPLIT, k_bars.index(s), k_smem.index(s),
+                       k_hi_smem.index(s), live)
+            _load_tile(v_desc, v_hi_desc, b, h, s * BLOCK_N, D_LO, SPLIT, v_bars.index(s), v_smem.index(s),
+                       v_hi_smem.index(s), live)
 
         # -- tile 0: its scores, then its softmax, with nothing to overlap -----------------------
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_bars.index(0), 0)
-        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero, use_acc=False,
+        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
+        if SPLIT:
+            s_tok = warpgroup_mma(q_hi_smem.reshape([BLOCK_M, D_HI]),
+                                  k_hi_smem.index(0).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok, is_async=True)
         scores = warpgroup_mma_wait(0, deps=(s_tok, ))
-        refill = STAGES < n_tiles
-        mbarrier.expect(k_bars.index(0), kv_bytes, pred=refill)
-        _tma_load(k_desc, [b, h, STAGES * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=refill)
+        _load_tile(k_desc, k_hi_desc, b, h, STAGES * BLOCK_N, D_LO, SPLIT, k_bars.index(0), k_smem.index(0),
+                   k_hi_smem.index(0), STAGES < n_tiles)
         if BLOCK_N > N_K:
             scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
         # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
         m_i = gl.max(scores, axis=1) * qk_scale
         p = gl.exp2(scores * qk_scale - m_i[:, None])
         l_i = gl.sum(p, axis=1)
-        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
+        acc = gl.zeros([BLOCK_M, D_LO], gl.float32, o_layout)
+        if SPLIT:
+            acc_hi = gl.zeros([BLOCK_M, D_HI], gl.float32, o_hi_layout)
 
         for j in range(1, n_tiles):
             st = j % STAGES
             prev = (j - 1) % STAGES
             # -- issue S_j, then O += P_{j-1} V_{j-1}; wait for S_j only ------------------------
             mbarrier.wait(k_bars.index(st), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
+            if SPLIT:
+                s_tok = warpgroup_mma(q_hi_smem.reshape([BLOCK_M, D_HI]),
+                                      k_hi_smem.index(st).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
+                                      is_async=True)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-            scores = warpgroup_mma_wait(1, deps=(s_tok, ))
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D_LO]), acc, is_async=True)
+            if SPLIT:
+                p_hi_op = gl.convert_layout(p_op, p_hi_layout)
+                o_hi_tok = warpgroup_mma(p_hi_op, v_hi_smem.index(prev).reshape([BLOCK_N, D_HI]), acc_hi,
+                                         is_async=True)
+                scores = warpgroup_mma_wait(2, deps=(s_tok, ))  # one group an MMA: both P V parts may run on
+            else:
+                scores = warpgroup_mma_wait(1, deps=(s_tok, ))
             if num_warps > 4:  # every warpgroup reads K_j: none may refill it before all are done
                 gl.thread_barrier()
             nxt = j + STAGES
-            refill = nxt < n_tiles
-            mbarrier.expect(k_bars.index(st), kv_bytes, pred=refill)
-            _tma_load(k_desc, [b, h, nxt * BLOCK_N, 0], k_bars.index(st), k_smem.index(st), pred=refill)
+            _load_tile(k_desc, k_hi_desc, b, h, nxt * BLOCK_N, D_LO, SPLIT, k_bars.index(st), k_smem.index(st),
+                       k_hi_smem.index(st), nxt < n_tiles)
             # -- softmax of tile j while P_{j-1} V_{j-1} runs ------------------------------------
             if (j + 1) * BLOCK_N > N_K:
                 scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
@@ -191,31 +244,44 @@ if gluon is not None:
             p = gl.exp2(scores * qk_scale - m_new[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            # P_{j-1} stays in deps: its registers must outlive the MMA that reads them.
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            # P_{j-1} stays in deps: its registers must outlive the MMAs that read them.
+            if SPLIT:
+                acc, acc_hi, p_op, p_hi_op = warpgroup_mma_wait(0, deps=(o_tok, o_hi_tok, p_op, p_hi_op))
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             if num_warps > 4:
                 gl.thread_barrier()
-            refill = nxt - 1 < n_tiles
-            mbarrier.expect(v_bars.index(prev), kv_bytes, pred=refill)
-            _tma_load(v_desc, [b, h, (nxt - 1) * BLOCK_N, 0], v_bars.index(prev), v_smem.index(prev),
-                                            pred=refill)
+            _load_tile(v_desc, v_hi_desc, b, h, (nxt - 1) * BLOCK_N, D_LO, SPLIT, v_bars.index(prev),
+                       v_smem.index(prev), v_hi_smem.index(prev), nxt - 1 < n_tiles)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            if SPLIT:
+                acc_hi = acc_hi * gl.convert_layout(alpha, o_hi_rows)[:, None]
 
         # -- the last tile's P V, then the epilogue ----------------------------------------------
         last = (n_tiles - 1) % STAGES
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        o_tok = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D_LO]), acc, is_async=True)
+        if SPLIT:
+            p_hi_op = gl.convert_layout(p_op, p_hi_layout)
+            o_hi_tok = warpgroup_mma(p_hi_op, v_hi_smem.index(last).reshape([BLOCK_N, D_HI]), acc_hi, is_async=True)
+            acc, acc_hi, p_op, p_hi_op = warpgroup_mma_wait(0, deps=(o_tok, o_hi_tok, p_op, p_hi_op))
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         mbarrier.invalidate(q_bar)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(s))
             mbarrier.invalidate(v_bars.index(s))
 
-        o_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, BLOCK_D], o_desc.layout)
-        o_smem.reshape([BLOCK_M, BLOCK_D]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
+        o_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_LO], o_desc.layout)
+        o_smem.reshape([BLOCK_M, D_LO]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
+        if SPLIT:
+            o_hi_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_HI], o_hi_desc.layout)
+            o_hi_smem.reshape([BLOCK_M, D_HI]).store((acc_hi / gl.convert_layout(l_i, o_hi_rows)[:, None]).to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [b, h, off_m, 0], o_smem)
+        if SPLIT:  # columns past the head dim are not written
+            _tma_store(o_hi_desc, [b, h, off_m, D_LO], o_hi_smem)
         if STORE_LSE:  # base-2 log-sum-exp of the scaled scores, as the Triton kernel stores it
             offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             gl.store(Lse + pid_bh.to(gl.int64) * N_Q + offs_m, m_i + gl.log2(l_i), mask=offs_m < N_Q)
@@ -228,22 +294,31 @@ def _descriptor(t: torch.Tensor, rows: int, width: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
 
 
+def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
+    """The kernel's eight descriptors: q, k, v, out over the head dim's first part, then over its
+    second (:func:`split_head_dim`; the first ones again where there is none)."""
+    d_lo, d_hi = split_head_dim(q.shape[3])
+    rows = (block_m, block_n, block_n, block_m)
+    lo = [_descriptor(t, r, d_lo) for t, r in zip((q, k, v, out), rows)]
+    return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else lo)
+
+
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
                     config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward on the Gluon kernel; arguments and results as :func:`flash_fwd.flash_attn_fwd`'s
     (no mask). ``config``: (BLOCK_M, BLOCK_N, num_warps, STAGES), else :func:`config_for`'s."""
-    assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 128 and TMA-aligned strides (hopper_fwd_ok)"
+    assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
     B, H, Nq, D = q.shape
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
-    block_d = triton.next_power_of_2(max(D, 16))
+    d_lo, d_hi = split_head_dim(D)
     block_m, block_n, num_warps, stages = config or config_for(D)
     assert block_m % (16 * num_warps) == 0, f"BLOCK_M={block_m}: 16-row MMA slices, as many for each of {num_warps} warps"
     out = torch.empty_like(q)
     lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32) if return_lse else None
     grid = (triton.cdiv(Nq, block_m), B * H)
     _attn_fwd_hopper[grid](
-        _descriptor(q, block_m, block_d), _descriptor(k, block_n, block_d), _descriptor(v, block_n, block_d),
-        _descriptor(out, block_m, block_d), lse, scale * 1.44269504,  # 1/ln 2
+        *descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504,  # 1/ln 2
         H, Nq, k.shape[2],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, STAGES=stages, STORE_LSE=return_lse, num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=return_lse,
+        num_warps=num_warps)
     return out, lse

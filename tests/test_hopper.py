@@ -32,7 +32,8 @@ LAYOUTS = [  # (id, q/k/v, mask, taken)
     ("fp16-D40-x77", qkv(Nk=77), None, True),
     ("masked", qkv(), torch.ones(1, 1, 64, 64, dtype=torch.bool), False),
     ("fp32", qkv(torch.float32), None, False),
-    ("fp16-D160", qkv(D=160), None, False),
+    ("fp16-D160", qkv(D=160), None, True),
+    ("fp16-D320", qkv(D=320), None, False),
     ("fp16-D40-misaligned", qkv(layout="sliced"), None, False),
     ("fp16-D4-rows-8-bytes", qkv(D=4, layout="contiguous"), None, False),  # strides of 8 bytes: no TMA
     ("last-dim-strided", tuple(t.transpose(2, 3).contiguous().transpose(2, 3) for t in qkv(D=64, layout="contiguous")), None, False),
@@ -50,9 +51,19 @@ def test_cpu_tensors_never_taken():
     assert not fh.serves(q, k, v, None)
 
 
-@pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 2)), (64, (64, 128, 4, 2)), (16, (64, 128, 4, 2)), (80, (128, 64, 4, 2))])
+@pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 2)), (64, (64, 128, 4, 2)), (16, (128, 64, 4, 2)), (80, (64, 128, 4, 2)),
+                                      (160, (64, 64, 4, 2))])
 def test_config_for(D, config):
     assert fh.config_for(D) == config
+
+
+SPLITS = [(40, (32, 16)), (48, (32, 16)), (64, (64, 0)), (80, (64, 16)), (100, (128, 0)), (160, (128, 32)), (20, (32, 0)),
+          (8, (16, 0)), (256, (256, 0))]
+
+
+@pytest.mark.parametrize("D,parts", SPLITS, ids=[f"D{d}" for d, _ in SPLITS])
+def test_split_head_dim(D, parts):
+    assert fh.split_head_dim(D) == parts
 
 
 # Compiles the kernel for sm_90 in a process of its own: under TRITON_INTERPRET (set for every test)
@@ -71,27 +82,31 @@ class Sm90:
 
 D, lse = int(sys.argv[1]), sys.argv[2] == "1"
 q = torch.empty(2, 256, 3, D, dtype=torch.float16).transpose(1, 2)
-block_d = triton.next_power_of_2(max(D, 16))
+d_lo, d_hi = fh.split_head_dim(D)
 bm, bn, warps, stages = fh.config_for(D)
 triton.runtime.driver.set_active(Sm90())
 k = fh._attn_fwd_hopper.warmup(
-    fh._descriptor(q, bm, block_d), fh._descriptor(q, bn, block_d), fh._descriptor(q, bn, block_d),
-    fh._descriptor(q, bm, block_d), torch.empty(q.shape[:3]) if lse else None, 0.2, 3, 256, 256,
-    BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, STAGES=stages, STORE_LSE=lse, num_warps=warps, grid=(1,))
+    *fh.descriptors(q, q, q, q, bm, bn), torch.empty(q.shape[:3]) if lse else None, 0.2, 3, 256, 256,
+    BLOCK_M=bm, BLOCK_N=bn, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=lse, num_warps=warps, grid=(1,))
 print(json.dumps(k.asm["ptx"]))
 """
 
 
+COMPILED = [(40, True), (64, False), (80, False), (128, True), (160, False)]
+
+
 @pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("D,lse", [(40, False), (40, True), (64, False), (128, True)], ids=["D40", "D40-lse", "D64", "D128-lse"])
+@pytest.mark.parametrize("D,lse", COMPILED, ids=[f"D{d}{'-lse' if lse else ''}" for d, lse in COMPILED])
 def test_compiles_for_sm90(D, lse):
     """The kernel builds to an sm_90 binary with its asynchronous MMAs and TMA copies, on whatever
-    triton CI installs: Gluon's API moves between releases (3.7 renamed the TMA copies)."""
+    triton CI installs: Gluon's API moves between releases (3.7 renamed the TMA copies). S_j is
+    waited for alone: with P V in flight, one MMA group a head-dim part."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse))], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = json.loads(run.stdout.strip().splitlines()[-1])
-    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx  # S_j waited for alone
+    parts = 2 if fh.split_head_dim(D)[1] else 1
+    assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts};" in ptx
     assert "cp.async.bulk.tensor.4d" in ptx
     assert ("st.global" in ptx) is lse
 
