@@ -42,9 +42,9 @@ except ImportError:  # older triton: the Triton kernel serves every call
 log = logging.getLogger(__name__)
 
 # Where this kernel serves flash_attn_fwd's default calls: measured against the Triton kernel on an
-# H200 (docs/benchmarks.md, v11): faster at head dims 40 and 64 on self-attention; slower at 80
-# (padded to 128) and on 77 keys, where the Triton kernel keeps the call.
-MAX_HEAD_DIM = 64
+# H200 (docs/benchmarks.md, v11-v12): faster on self-attention at head dims 40 and 64 (v11), 80 and
+# 160 with the head dim split (v12); slower on 77 keys, where the Triton kernel keeps the call.
+MAX_HEAD_DIM = 160
 MIN_KEYS = 512
 # Below this many FLOPs (4·B·H·Nq·Nk·D) a call's kernel is too short to pay for a JIT launch's host time.
 MIN_FLOP = 2e10
@@ -65,11 +65,13 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, STAGES): one warpgroup a program, so that two share an SM and
-    one's softmax also overlaps the other's MMAs. Head dims under 64 take 128 query rows: with 64,
-    hd40's programs re-read K and V from L2 faster than L2 serves them (175 against 257 TFLOP/s)."""
+    """(BLOCK_M, BLOCK_N, num_warps, STAGES), from v11-v12's probes on an H200: one warpgroup a
+    program, so that two share an SM and one's softmax also overlaps the other's MMAs. Head dims
+    under 64 take 128 query rows: with 64, hd40's programs re-read K and V from L2 faster than L2
+    serves them (175 against 257 TFLOP/s), and 3 stages beat 2 there (265 against 261). Above 128,
+    64-key tiles (hd160: 497 against 350-389 for the other tiles)."""
     if head_dim < 64:
-        return 128, 64, 4, 2
+        return 128, 64, 4, 3
     return (64, 128, 4, 2) if head_dim <= 128 else (64, 64, 4, 2)
 
 
@@ -95,7 +97,8 @@ def hopper_fwd_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bo
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
-    """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MAX_HEAD_DIM`)."""
+    """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MAX_HEAD_DIM`): on
+    self-attention lengths, and on calls long enough to pay for a launch through the JIT."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     return (ENABLED and not _failed and D <= MAX_HEAD_DIM and Nk >= MIN_KEYS and 4 * B * H * Nq * Nk * D >= MIN_FLOP

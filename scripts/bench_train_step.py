@@ -40,7 +40,11 @@ ROUNDS = 19
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, starting with stock (default: {','.join(VARIANTS)})")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per configuration (default {ROUNDS})")
     args = ap.parse_args()
+    variants = tuple(args.variants.split(","))
+    assert variants[0] == "stock", "the ratios and gradient errors are against stock: list it first"
     from sdpatch.kernels import native
 
     print(f"native launch path: {'ready' if native.wait() else 'unavailable'}", flush=True)
@@ -63,14 +67,14 @@ def main() -> None:
                 unet.enable_gradient_checkpointing()
             else:
                 unet.disable_gradient_checkpointing()
-            found = {v: dict(peaks=[]) for v in VARIANTS}
-            for variant in (*VARIANTS, *reversed(VARIANTS)):  # ABBA: each variant's peak twice, after either
+            found = {v: dict(peaks=[]) for v in variants}
+            for variant in (*variants, *reversed(variants)):  # ABBA: each variant's peak twice, after either
                 use_variant(unet, variant)
                 warm_up_step(step, unet)
                 _, peaks = peaks_over(step)
                 found[variant]["peaks"].append(peaks)
                 found[variant]["grad"] = unet.conv_in.weight.grad.detach().clone()
-            times = alternating_times(unet, VARIANTS, step, rounds=ROUNDS)
+            times = alternating_times(unet, variants, step, rounds=args.rounds)
             stock = found["stock"]
             for variant, f in found.items():
                 ratio, q1, q3 = paired_ratio(times[variant], times["stock"])

@@ -51,7 +51,7 @@ def test_cpu_tensors_never_taken():
     assert not fh.serves(q, k, v, None)
 
 
-@pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 2)), (64, (64, 128, 4, 2)), (16, (128, 64, 4, 2)), (80, (64, 128, 4, 2)),
+@pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 3)), (64, (64, 128, 4, 2)), (16, (128, 64, 4, 3)), (80, (64, 128, 4, 2)),
                                       (160, (64, 64, 4, 2))])
 def test_config_for(D, config):
     assert fh.config_for(D) == config
