@@ -5,7 +5,7 @@ Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two til
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
 through zero strides. On Hopper, K and V tiles of the longest kernels (16,384 tokens and up at SD
 sizes: :data:`TMA_MIN_FLOP`) come through TMA descriptors (:func:`kv_operands`); elsewhere through
-pointer loads. On Hopper, unmasked self-attention at head dims up to 160 goes to the Gluon kernel of
+pointer loads. On Hopper, unmasked self-attention at head dims up to 64 goes to the Gluon kernel of
 :mod:`flash_fwd_hopper` instead.
 """
 
@@ -643,7 +643,7 @@ def flash_attn_fwd(
         found = _native_fwd.run((q, k, v, mask), (scale, float(return_lse)), q.get_device())
         if found is not None:
             return found
-        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 160, self-attention
+        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 64, self-attention
             try:
                 return flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse)
             except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory

@@ -42,9 +42,11 @@ except ImportError:  # older triton: the Triton kernel serves every call
 log = logging.getLogger(__name__)
 
 # Where this kernel serves flash_attn_fwd's default calls: measured against the Triton kernel on an
-# H200 (docs/benchmarks.md, v11-v12): faster on self-attention at head dims 40 and 64 (v11), 80 and
-# 160 with the head dim split (v12); slower on 77 keys, where the Triton kernel keeps the call.
-MAX_HEAD_DIM = 160
+# H200 (docs/benchmarks.md, v11-v12), per call, on self-attention at head dims 40 and 64. At 80 and
+# 160 its kernel time wins (v12: 407 against 381, 497 against 376 TFLOP/s), but a launch through the
+# JIT with eight descriptors cost 0.2-0.4 ms of host time, as long as those kernels: per call it
+# was 0.57-1.09x cuDNN at hd80, and the Triton kernel, launched natively, keeps those calls.
+MAX_HEAD_DIM = 64
 MIN_KEYS = 512
 # Below this many FLOPs (4·B·H·Nq·Nk·D) a call's kernel is too short to pay for a JIT launch's host time.
 MIN_FLOP = 2e10
@@ -139,7 +141,7 @@ if gluon is not None:
     ):
         # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
         # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
-        # are not read.
+        # are None.
         SPLIT: gl.constexpr = D_HI > 0
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -298,12 +300,13 @@ def _descriptor(t: torch.Tensor, rows: int, width: int):
 
 
 def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
-    """The kernel's eight descriptors: q, k, v, out over the head dim's first part, then over its
-    second (:func:`split_head_dim`; the first ones again where there is none)."""
+    """The kernel's eight descriptor arguments: q, k, v, out over the head dim's first part, then
+    over its second (:func:`split_head_dim`), or None where there is none: the JIT and the launcher
+    spend host time on each descriptor they are given."""
     d_lo, d_hi = split_head_dim(q.shape[3])
     rows = (block_m, block_n, block_n, block_m)
     lo = [_descriptor(t, r, d_lo) for t, r in zip((q, k, v, out), rows)]
-    return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else lo)
+    return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
 
 
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
