@@ -91,22 +91,27 @@ def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
     return row
 
 
+def probe_inputs(c: Case, device: str = "cuda"):
+    """A forward probe's case: q, k, v, the scale, the FLOP count, and ``error_of(out)``, a result's
+    relative error against float64 on 512 rows of one head."""
+    from sdpatch.reference import attention_ref
+
+    q, k, v = case_inputs(c, device=device)
+    ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
+
+    def error_of(out) -> float:
+        return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
+
+    return q, k, v, 1 / math.sqrt(c.D), 4 * c.B * c.H * c.Nq * c.Nk * c.D, error_of
+
+
 def probe_forward(tiles: list[tuple], impls_for, cases: list[Case] = PROBE_CASES, device: str = "cuda") -> list[dict]:
     """Run a forward probe: for each case and tile, ``impls_for(q, k, v, scale, config)`` gives
     {implementation name: zero-argument call}; each is checked against float64 on 512 rows of
     one head, then timed (see :func:`probe_row`). Returns the rows, named "<implementation> <tile>"."""
-    from sdpatch.reference import attention_ref
-
     rows = []
     for c in cases:
-        q, k, v = case_inputs(c, device=device)
-        scale = 1 / math.sqrt(c.D)
-        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
-        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
-
-        def error_of(out) -> float:
-            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
-
+        q, k, v, scale, flops, error_of = probe_inputs(c, device)
         for tile in tiles:
             impls = impls_for(q, k, v, scale, as_config(tile))
             rows += [probe_row(c.name, f"{name} {tile}", fn, flops, error_of) for name, fn in impls.items()]

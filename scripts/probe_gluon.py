@@ -21,7 +21,7 @@ from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import hopper_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import case_inputs, environment, probe_row, probe_summary
+from _bench import environment, probe_inputs, probe_row, probe_summary
 from bench_kernels import CASES as BENCH_CASES
 
 # Issue 6's self-attention cases the Gluon kernel can take; hd64 4096 keeps its unsplit kernel (a check
@@ -68,13 +68,7 @@ def main() -> None:
     odd = check_odd()
     rows = []
     for c in CASES:
-        q, k, v = case_inputs(c)
-        scale = 1 / math.sqrt(c.D)
-        flops = 4 * c.B * c.H * c.Nq * c.Nk * c.D
-        ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
-
-        def error_of(out) -> float:
-            return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
+        q, k, v, scale, flops, error_of = probe_inputs(c)
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

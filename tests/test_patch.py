@@ -367,6 +367,18 @@ def test_train_mode_gradients(backend, recompute, lora, checkpointing):
     assert rel_err(inputs, ref_input) <= GRAD_RTOL
 
 
+def storage_counter(kept: dict[int, int]):
+    """A saved-tensors pack hook (and checkpoint-input recorder) that notes each tensor's storage
+    in ``kept``, once per storage, and keeps the tensor as autograd would."""
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    return keep
+
+
 def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch, autocast: bool = False) -> tuple[int, int]:
     """Bytes a training forward keeps for its backward: every tensor autograd saves, and every
     tensor a recomputed layer keeps as its input, counted once per storage. Also the number of
@@ -374,12 +386,8 @@ def retained_bytes(model: torch.nn.Module, kw: dict, monkeypatch, autocast: bool
     from sdpatch import processor
 
     kept: dict[int, int] = {}
+    keep = storage_counter(kept)
     layers_recomputed = 0
-
-    def keep(t):
-        if isinstance(t, torch.Tensor):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
 
     def checkpoint(fn, *args, **kwargs):
         nonlocal layers_recomputed
@@ -439,11 +447,7 @@ def test_autocast_projections_share_one_cast(cross):
     def step(autocast: bool) -> tuple[torch.Tensor, int]:
         attn.zero_grad()
         kept = {}
-
-        def keep(t):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
+        keep = storage_counter(kept)
         inputs = [t * 1 for t in (x, context) if t is not None]  # not leaves: autocast caches leaves' casts
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", enabled=autocast):
             out = attn(*inputs)
