@@ -602,6 +602,26 @@ def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple
             mask_layout, scale, return_lse, split_head_dim, kv_tma)
 
 
+_hopper_plans: dict[tuple, _Plan] = {}  # the Gluon kernel's launches, by layout (see _hopper_fwd)
+
+
+def _hopper_fwd(q, k, v, scale: float, return_lse: bool, options: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A default call on the Gluon Hopper kernel, launched as the Triton kernel's are: through the
+    JIT once per layout, then straight to its binary, and recorded for the native path, which
+    encodes the eight TMA descriptors in C++. Through the JIT, the descriptors' binding and
+    specialization cost 0.2-0.4 ms of host time a call (docs/benchmarks.md, v12)."""
+    plan = cached_plan(_hopper_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
+                       lambda: _Plan({}))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    grid, args, consts = flash_fwd_hopper.launch_args(q, k, v, out, lse, scale)
+    record = _native_fwd.recording(plan, q)
+    with on_device(q):
+        launch(flash_fwd_hopper._attn_fwd_hopper, grid, args, consts, plan.binaries, "gluon", record)
+    _native_fwd.register(plan, record, (q, k, v, None), options, (out, lse))
+    return out, lse
+
+
 def _config_kwargs(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
@@ -639,13 +659,16 @@ def flash_attn_fwd(
     on the Gluon Hopper kernel instead.
     """
     default = config is None and split_head_dim is None and kv_tma is None
+    # Native programs are recorded per layout and options, whichever kernel served: whether the
+    # Gluon kernel may serve is among the options.
+    options = (scale, float(return_lse), float(flash_fwd_hopper.on()))
     if default:  # a layout seen before, replayed natively
-        found = _native_fwd.run((q, k, v, mask), (scale, float(return_lse)), q.get_device())
+        found = _native_fwd.run((q, k, v, mask), options, q.get_device())
         if found is not None:
             return found
         if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 64, self-attention
             try:
-                return flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse)
+                return _hopper_fwd(q, k, v, scale, return_lse, options)
             except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
@@ -665,7 +688,7 @@ def flash_attn_fwd(
             kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
             record = _native_fwd.recording(plan, q) if default else None
             launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key, record)
-            _native_fwd.register(plan, record, (q, k, v, mask), (scale, float(return_lse)), (out, lse))
+            _native_fwd.register(plan, record, (q, k, v, mask), options, (out, lse))
             return out, lse
         config = config or plan.config
         scalars = fwd_scalars(q, k, v, mask, out, scale)

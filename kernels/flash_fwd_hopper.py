@@ -42,15 +42,14 @@ except ImportError:  # older triton: the Triton kernel serves every call
 
 log = logging.getLogger(__name__)
 
-# Where this kernel serves flash_attn_fwd's default calls: measured against the Triton kernel on an
-# H200 (docs/benchmarks.md, v11-v12), per call, on self-attention at head dims 40 and 64. At 80 and
-# 160 its kernel time wins (v12: 407 against 381, 497 against 376 TFLOP/s), but a launch through the
-# JIT with eight descriptors cost 0.2-0.4 ms of host time, as long as those kernels: per call it
-# was 0.57-1.09x cuDNN at hd80, and the Triton kernel, launched natively, keeps those calls.
-MAX_HEAD_DIM = 64
-MIN_KEYS = 512
-# Below this many FLOPs (4·B·H·Nq·Nk·D) a call's kernel is too short to pay for a JIT launch's host time.
-MIN_FLOP = 2e10
+# Where this kernel serves flash_attn_fwd's default calls, from per-call times against the Triton
+# kernel on an H200, both launched natively (docs/benchmarks.md, v13), in TFLOP/s: self-attention
+# of MIN_KEYS keys and more (at 77 keys it lost, 45 against 49 at hd40), at every head dim above 64
+# (hd80: 284 against 226 at 1024 tokens, 407 against 392 at 4096; hd160: 63 against 55 at 256,
+# 401 against 315 at 1024), and up to head dim 64 on calls of SMALL_HEAD_MIN_FLOP and more
+# (SDXL's 1024 tokens at hd64, 1.1e10 FLOPs: 277 against 293; hd40 4096, 4.3e10: 260 against 238).
+MIN_KEYS = 256
+SMALL_HEAD_MIN_FLOP = 2e10
 ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
 
@@ -99,12 +98,16 @@ def hopper_fwd_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bo
     return gluon is not None and q.is_cuda and _is_sm90(q.get_device()) and layout_ok(q, k, v, mask)
 
 
+def on() -> bool:
+    """Whether the kernel may serve default calls at all: ``SDPATCH_GLUON``, and no launch has failed."""
+    return ENABLED and not _failed
+
+
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
-    """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MAX_HEAD_DIM`): on
-    self-attention lengths, and on calls long enough to pay for a launch through the JIT."""
+    """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MIN_KEYS`)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    return (ENABLED and not _failed and D <= MAX_HEAD_DIM and Nk >= MIN_KEYS and 4 * B * H * Nq * Nk * D >= MIN_FLOP
+    return (on() and Nk >= MIN_KEYS and (D > 64 or 4 * B * H * Nq * Nk * D >= SMALL_HEAD_MIN_FLOP)
             and hopper_fwd_ok(q, k, v, mask))
 
 
@@ -294,10 +297,14 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, width: int, dtype: torch.dtype):
+    gl_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], gl_dtype)
+
+
 def _descriptor(t: torch.Tensor, rows: int, width: int):
-    gl_dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-    block = [1, 1, rows, width]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _shared_layout(rows, width, t.dtype))
 
 
 def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
@@ -310,22 +317,28 @@ def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
     return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
 
 
-def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
-                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward on the Gluon kernel; arguments and results as :func:`flash_fwd.flash_attn_fwd`'s
-    (no mask). ``config``: (BLOCK_M, BLOCK_N, num_warps, STAGES), else :func:`config_for`'s."""
-    assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
+def launch_args(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] | None = None) -> tuple[tuple, tuple, dict]:
+    """A launch's grid, runtime arguments and constexprs (``config`` as :func:`hopper_attn_fwd`'s);
+    :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
     B, H, Nq, D = q.shape
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
     d_lo, d_hi = split_head_dim(D)
     block_m, block_n, num_warps, stages = config or config_for(D)
     assert block_m % (16 * num_warps) == 0, f"BLOCK_M={block_m}: 16-row MMA slices, as many for each of {num_warps} warps"
+    args = (*descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504, H, Nq, k.shape[2])  # 1/ln 2
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=lse is not None,
+                  num_warps=num_warps)
+    return (triton.cdiv(Nq, block_m), B * H, 1), args, consts
+
+
+def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
+                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward on the Gluon kernel, launched through the JIT; arguments and results as
+    :func:`flash_fwd.flash_attn_fwd`'s (no mask). ``config``: (BLOCK_M, BLOCK_N, num_warps,
+    STAGES), else :func:`config_for`'s."""
+    assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
     out = torch.empty_like(q)
-    lse = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32) if return_lse else None
-    grid = (triton.cdiv(Nq, block_m), B * H)
-    _attn_fwd_hopper[grid](
-        *descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504,  # 1/ln 2
-        H, Nq, k.shape[2],
-        BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=return_lse,
-        num_warps=num_warps)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    grid, args, consts = launch_args(q, k, v, out, lse, scale, config)
+    _attn_fwd_hopper[grid](*args, **consts)
     return out, lse

@@ -143,7 +143,7 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
 def _signature(binary) -> list[str] | None:
     """Each runtime parameter's Triton type ('constexpr' for specialized ones) in order, or None
     when the compiled kernel needs what the native launch does not do (scratch memory, clusters,
-    cooperative or programmatic launches, tensor descriptors)."""
+    cooperative or programmatic launches, tensor descriptors not lowered to TMA)."""
     compiled = binary.compiled
     meta = compiled.metadata
     if any(getattr(meta, name, 0) for name in ("global_scratch_size", "profile_scratch_size",
@@ -152,9 +152,49 @@ def _signature(binary) -> list[str] | None:
     if getattr(meta, "num_ctas", 1) != 1:
         return None
     signature = getattr(getattr(compiled, "src", None), "signature", None)
-    if not isinstance(signature, dict) or any(not isinstance(t, str) or "desc" in t.lower() for t in signature.values()):
+    if not isinstance(signature, dict) or any(not isinstance(t, str) for t in signature.values()):
+        return None
+    descriptors = sum(t.startswith("tensordesc") for t in signature.values())
+    if descriptors and (_tensordesc_arg is None or len(getattr(meta, "tensordesc_meta", None) or ()) != descriptors):
         return None
     return list(signature.values())
+
+
+def _triton_tensordesc_arg():
+    """Triton's expansion of a host tensor descriptor into launch arguments (a CUtensorMap, then
+    the shape and strides), and its map of TMA data types to the driver's; None where this Triton
+    has neither (the descriptors' launches then stay with Triton)."""
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST, make_tensordesc_arg
+    except ImportError:
+        return None
+    return make_tensordesc_arg, TMA_DTYPE_DEVICE_TO_HOST
+
+
+_tensordesc_arg = _triton_tensordesc_arg()
+
+
+def tensor_map(desc, meta: dict) -> tuple | None:
+    """A host tensor descriptor as the C++ module encodes it per call: (data type, swizzle, OOB
+    fill, dims, byte strides, box), innermost dim first, as Triton's launcher hands them to
+    cuTensorMapEncodeTiled; None for what it does not handle (fp4 padding)."""
+    if meta.get("fp4_padded"):
+        return None
+    _, device_to_host = _tensordesc_arg
+    strides = [s * meta["elem_size"] for s in desc.strides[:-1]]
+    return (device_to_host[meta["elem_type"]], meta["swizzle"], int(desc.padding == "nan"), list(desc.shape)[::-1],
+            strides[::-1], list(meta["block_size"])[::-1])
+
+
+def _expands_as_cells(desc, meta: dict) -> bool:
+    """Whether Triton's launcher passes this descriptor as the program does: one CUtensorMap, then
+    its shape (i32 each) and strides (i64 each). Asked of Triton's own expansion, once per recording."""
+    make_arg, _ = _tensordesc_arg
+    try:
+        expanded = make_arg(desc, meta)
+    except Exception:  # noqa: BLE001 - whatever this Triton's expansion wants, the program cannot replay it
+        return False
+    return len(expanded) == 1 + 2 * len(desc.shape) and list(expanded[1:]) == [*desc.shape, *desc.strides]
 
 
 def build_program(mod, inputs: tuple, record: list, outputs: tuple):
@@ -175,23 +215,41 @@ def build_program(mod, inputs: tuple, record: list, outputs: tuple):
         signature = _signature(binary)
         if signature is None or len(signature) < len(args):
             return None
-        cells, pointers, allocate = [], [], []
+        cells, pointers, allocate, maps = [], [], [], []
+        metas = iter(getattr(binary.compiled.metadata, "tensordesc_meta", None) or ())
+
+        def slot_of(t: torch.Tensor) -> int | None:
+            """The slot holding ``t``: an input, or a buffer of the call (given a slot on first use)."""
+            nonlocal n_slots
+            slot = slots.get(id(t))
+            if slot is None:  # a buffer this call allocated
+                storage, lo, hi = span = _span(t)
+                if any(s == storage and lo < h and l < hi for s, l, h in spans):
+                    return None
+                spans.append(span)
+                slot = slots[id(t)] = n_slots
+                n_slots += 1
+                program.buffer(list(t.shape), list(t.stride()), t.dtype)
+                allocate.append(slot)
+            return slot
+
         for ty, arg in zip(signature, args):
             if ty == "constexpr":
                 continue
-            if ty.startswith("*"):
-                if not isinstance(arg, torch.Tensor):
+            if ty.startswith("tensordesc"):  # a CUtensorMap cell, then what Triton passes beside it
+                meta = next(metas)
+                spec = tensor_map(arg, meta)
+                if spec is None or not isinstance(arg.base, torch.Tensor) or not _expands_as_cells(arg, meta):
                     return None
-                slot = slots.get(id(arg))
-                if slot is None:  # a buffer this call allocated
-                    storage, lo, hi = span = _span(arg)
-                    if any(s == storage and lo < h and l < hi for s, l, h in spans):
-                        return None
-                    spans.append(span)
-                    slot = slots[id(arg)] = n_slots
-                    n_slots += 1
-                    program.buffer(list(arg.shape), list(arg.stride()), arg.dtype)
-                    allocate.append(slot)
+                slot = slot_of(arg.base)
+                if slot is None:
+                    return None
+                maps.append((len(cells), slot, *spec))
+                cells += [0, *(scalar_cell("i32", n) for n in arg.shape), *(scalar_cell("i64", s) for s in arg.strides)]
+            elif ty.startswith("*"):
+                slot = slot_of(arg) if isinstance(arg, torch.Tensor) else None
+                if slot is None:
+                    return None
                 pointers.append((len(cells), slot))
                 cells.append(0)
             else:
@@ -200,7 +258,8 @@ def build_program(mod, inputs: tuple, record: list, outputs: tuple):
                     return None
                 cells.append(cell)
         num_warps, _num_ctas, shared = binary.metadata
-        program.launch(binary.function, list(grid), 32 * num_warps, shared, [*cells, *_SCRATCH_CELLS], pointers, allocate)
+        program.launch(binary.function, list(grid), 32 * num_warps, shared, [*cells, *_SCRATCH_CELLS], pointers, allocate,
+                       maps)
     out_slots = [-1 if t is None else slots.get(id(t), -2) for t in outputs]
     if any(s == -2 or 0 <= s < len(inputs) for s in out_slots):  # every output is a buffer of the call
         return None

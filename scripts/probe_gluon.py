@@ -21,12 +21,13 @@ from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import hopper_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import environment, probe_inputs, probe_row, probe_summary
+from _bench import Case, environment, probe_inputs, probe_row, probe_summary
 from bench_kernels import CASES as BENCH_CASES
 
 # Issue 6's self-attention cases the Gluon kernel can take; hd64 4096 keeps its unsplit kernel (a check
 # that the split changed nothing there).
 CASES = [c for c in BENCH_CASES if c.name in ("hd40 4096", "hd40 16384", "hd80 4096", "hd160 1024", "hd64 4096")]
+CASES.append(Case("hd80 1024", 2, 8, 1024, 1024, 80))  # SD 1.5's second level at 512 x 512
 # (BLOCK_M, BLOCK_N, num_warps, STAGES) per head dim; the first is config_for's.
 TILES = {40: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 2), (128, 64, 8, 2)],
          64: [(64, 128, 4, 2)],

@@ -51,6 +51,29 @@ def test_cpu_tensors_never_taken():
     assert not fh.serves(q, k, v, None)
 
 
+SERVED = [  # (B, H, Nq, Nk, D, served): measured per call against the Triton kernel (docs/benchmarks.md, v13)
+    (2, 8, 4096, 4096, 40, True),  # SD 1.5 level 1: 4.3e10 FLOPs
+    (2, 8, 1024, 1024, 40, False),  # 2.7e9 FLOPs: the Triton kernel
+    (2, 20, 1024, 1024, 64, False),  # SDXL level 3, 1.1e10 FLOPs: the Triton kernel won (293 against 277)
+    (2, 10, 4096, 4096, 64, True),
+    (2, 8, 1024, 1024, 80, True),  # SD 1.5 at 512 x 512: above head dim 64, from 256 keys on
+    (2, 8, 256, 256, 160, True),
+    (2, 8, 255, 255, 160, False),
+    (2, 8, 4096, 77, 40, False),  # cross-attention
+    (2, 10, 4096, 77, 64, False),
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,served", SERVED, ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}" for b, h, nq, nk, d, _ in SERVED])
+def test_serves(monkeypatch, B, H, Nq, Nk, D, served):
+    monkeypatch.setattr(fh, "hopper_fwd_ok", lambda q, k, v, mask: True)  # as on an H200
+    monkeypatch.setattr(fh, "ENABLED", True)
+    q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
+    assert fh.serves(q, k, k, None) is served
+    monkeypatch.setattr(fh, "ENABLED", False)  # SDPATCH_GLUON=0
+    assert not fh.serves(q, k, k, None)
+
+
 @pytest.mark.parametrize("D,config", [(40, (128, 64, 4, 3)), (64, (64, 128, 4, 2)), (16, (128, 64, 4, 3)), (80, (64, 128, 4, 2)),
                                       (160, (64, 64, 4, 2))])
 def test_config_for(D, config):
@@ -120,7 +143,7 @@ def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch
         raise RuntimeError("no such Gluon op")
 
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: not fh._failed)
-    monkeypatch.setattr(fh, "hopper_attn_fwd", broken)
+    monkeypatch.setattr(fh, "launch_args", broken)
     monkeypatch.setattr(fh, "_failed", [])
     q, k, v = qkv(torch.float32, D=16, Nq=33, Nk=17)
     for _ in range(2):

@@ -44,9 +44,9 @@ class FakeModule:
         def buffer(self, sizes, strides, dtype):
             self.buffers.append((sizes, strides, dtype))
 
-        def launch(self, function, grid, threads, shared, cells, pointers, allocate):
+        def launch(self, function, grid, threads, shared, cells, pointers, allocate, maps):
             self.launches.append(dict(function=function, grid=grid, threads=threads, shared=shared, cells=cells,
-                                      pointers=pointers, allocate=allocate))
+                                      pointers=pointers, allocate=allocate, maps=maps))
 
 
 def fake_binary(signature: list[str], function: int = 0xF00, num_warps: int = 4, shared: int = 1024, **meta):
@@ -82,7 +82,49 @@ def test_build_program_replays_allocations_and_launches():
     assert first["cells"] == [0, 0, 0, 0, 8, 0x3F000000, 0, 0]  # the constexpr left out; two scratch cells last
     assert second["pointers"] == [(0, 0), (1, 4), (2, 5), (3, 1)] and second["allocate"] == [5]
     assert second["cells"] == [0, 0, 0, 0, 8, 0, 0]
+    assert first["maps"] == second["maps"] == []
     assert p.outputs == [3, 5]
+
+
+FP16 = 6  # Triton's TMA data type for fp16 (the fake driver's table maps it to 6 as well)
+
+
+def tma_meta(block: list[int], swizzle: int = 2) -> dict:
+    return dict(swizzle=swizzle, elem_size=2, elem_type=FP16, block_size=block, fp4_padded=False)
+
+
+def descriptor(t: torch.Tensor, padding: str = "zero"):
+    """A host tensor descriptor, as the launcher reads one."""
+    return SimpleNamespace(base=t, shape=list(t.shape), strides=list(t.stride()), padding=padding)
+
+
+@pytest.fixture
+def triton_expansion(monkeypatch):
+    """Triton's expansion of a descriptor as triton 3.6 has it: a CUtensorMap, the shape, the strides."""
+    monkeypatch.setattr(native, "_tensordesc_arg", (lambda d, meta: ["map", *d.shape, *d.strides], {FP16: 6}))
+
+
+def gluon_like():
+    """Inputs and a one-launch record in the Gluon forward's shape: descriptors over q (diffusers'
+    (B, N, H, D) memory) and over the output, a buffer of the call; an absent descriptor, a scalar."""
+    q = torch.randn(2, 8, 3, 32, dtype=torch.float16).transpose(1, 2)
+    out = torch.empty_like(q)
+    binary = fake_binary(["tensordesc<fp16[1,1,64,32]>", "constexpr", "tensordesc<fp16[1,1,64,32]>", "fp32", "i32"],
+                         tensordesc_meta=[tma_meta([1, 1, 64, 32]), tma_meta([1, 1, 64, 32], swizzle=3)])
+    return (q, None), [(binary, (1, 6, 1), (descriptor(q), None, descriptor(out), 0.5, 3))], (out,)
+
+
+def test_build_program_encodes_tma_descriptors(triton_expansion):
+    inputs, record, outputs = gluon_like()
+    p = native.build_program(FakeModule, inputs, record, outputs)
+    (launch,) = p.launches
+    # Per descriptor: a CUtensorMap cell, then its shape (i32) and strides (i64), as Triton expands it.
+    q_cells = [0, 2, 3, 8, 32, 768, 32, 96, 1]
+    assert launch["cells"] == [*q_cells, *q_cells, 0x3F000000, 3, 0, 0]
+    assert launch["pointers"] == [] and launch["allocate"] == [2] and p.outputs == [2]
+    # (parameter, slot, data type, swizzle, OOB fill, dims, byte strides, box): innermost dim first.
+    dims, strides, box = [32, 8, 3, 2], [2 * 96, 2 * 32, 2 * 768], [32, 64, 1, 1]
+    assert launch["maps"] == [(0, 0, 6, 2, 0, dims, strides, box), (9, 2, 6, 3, 0, dims, strides, box)]
 
 
 def refusals():
@@ -90,7 +132,11 @@ def refusals():
     q, k, _ = inputs
     view_of_input = (record[0][0], (1, 1, 1), (q, k, None, q[:, :1], record[0][2][4], 8, 0.5))
     scratch = (fake_binary(["*fp32"], global_scratch_size=128), (1, 1, 1), (q,))
-    descriptor = (fake_binary(["tensordesc<fp16[1,1,64,64]>"]), (1, 1, 1), (q,))
+    descriptor_without_tma = (fake_binary(["tensordesc<fp16[1,1,64,64]>"]), (1, 1, 1), (q,))
+    fp4 = dict(tma_meta([1, 1, 8, 4]), fp4_padded=True)
+    fp4_descriptor = (fake_binary(["tensordesc<fp16[1,1,8,4]>"], tensordesc_meta=[fp4]), (1, 1, 1), (descriptor(q),))
+    view_descriptor = (fake_binary(["tensordesc<fp32[1,1,8,4]>"], tensordesc_meta=[tma_meta([1, 1, 8, 4])]), (1, 1, 1),
+                       (descriptor(q[:, :, 1:]),))
     half_scalar = (fake_binary(["*fp32", "fp16"]), (1, 1, 1), (q, 1.0))
     return {
         "jit-launch": (inputs, [record[0], None], outputs),
@@ -98,15 +144,18 @@ def refusals():
         "output-is-input": (inputs, record, (q,)),
         "output-never-launched": (inputs, record, (torch.empty(1),)),
         "scratch-memory": (inputs, [scratch], ()),
-        "tensor-descriptor": (inputs, [descriptor], ()),
+        "descriptor-without-tma": (inputs, [descriptor_without_tma], ()),
+        "fp4-descriptor": (inputs, [fp4_descriptor], ()),
+        "descriptor-over-a-view-of-an-input": (inputs, [view_descriptor], ()),
         "fp16-scalar": (inputs, [half_scalar], ()),
         "empty": (inputs, [], ()),
     }
 
 
 @pytest.mark.parametrize("case", ["jit-launch", "buffer-overlaps-input", "output-is-input", "output-never-launched",
-                                  "scratch-memory", "tensor-descriptor", "fp16-scalar", "empty"])
-def test_build_program_refuses(case):
+                                  "scratch-memory", "descriptor-without-tma", "fp4-descriptor",
+                                  "descriptor-over-a-view-of-an-input", "fp16-scalar", "empty"])
+def test_build_program_refuses(case, triton_expansion):
     inputs, record, outputs = refusals()[case]
     assert native.build_program(FakeModule, inputs, record, outputs) is None
 
@@ -140,15 +189,47 @@ def test_registry_matches_exact_layouts():
         assert registry.run(ins, options, 0) is None, name
 
 
+def test_build_program_refuses_descriptors_triton_expands_otherwise(monkeypatch):
+    """A Triton whose launcher passes a descriptor otherwise (say, as a pointer, its shape and strides
+    twice) keeps those launches: the program's cells would not match the kernel's parameters."""
+    inputs, record, outputs = gluon_like()
+    monkeypatch.setattr(native, "_tensordesc_arg", (lambda d, meta: [d.base, *d.shape, *d.strides, False, *d.shape, *d.strides],
+                                                    {FP16: 6}))
+    assert native.build_program(FakeModule, inputs, record, outputs) is None
+    monkeypatch.setattr(native, "_tensordesc_arg", None)  # a Triton without the expansion
+    assert native.build_program(FakeModule, inputs, record, outputs) is None
+
+
+@needs_toolchain
+def test_registry_runs_descriptor_programs_for_their_layout(triton_expansion):
+    """The C++ module takes a program with TMA descriptors; on the CPU its run stops at the driver
+    (encoding the first descriptor), after the layout matched."""
+    assert native.wait(), "the native module did not build"
+    mod = native.module()
+    inputs, record, outputs = gluon_like()
+    registry = mod.Registry()
+    registry.add(list(inputs), [0.5], native.build_program(mod, inputs, record, outputs))
+    q, _ = inputs
+    with pytest.raises(RuntimeError, match="libcuda"):
+        registry.run([q.clone().transpose(1, 2).contiguous().transpose(1, 2), None], [0.5], 0)
+    assert registry.run([q.contiguous(), None], [0.5], 0) is None
+
+
 @needs_toolchain
 def test_registry_checks_programs():
     assert native.wait(), "the native module did not build"
     mod = native.module()
     inputs, record, outputs = backward_like()
     program = native.build_program(mod, inputs, record, outputs)
-    program.launch(0, [1, 1, 1], 32, 0, [0], [(0, 2)], [])  # a pointer to input 2, which is None
+    program.launch(0, [1, 1, 1], 32, 0, [0], [(0, 2)], [], [])  # a pointer to input 2, which is None
     with pytest.raises(RuntimeError, match="None"):
         mod.Registry().add(list(inputs), [0.5], program)
+    program = native.build_program(mod, inputs, record, outputs)
+    program.launch(0, [1, 1, 1], 32, 0, [0], [], [], [(0, 2, 6, 2, 0, [32, 8], [64], [32, 8])])  # a descriptor of None
+    with pytest.raises(RuntimeError, match="None"):
+        mod.Registry().add(list(inputs), [0.5], program)
+    with pytest.raises(RuntimeError, match="one stride fewer"):
+        program.launch(0, [1, 1, 1], 32, 0, [0], [], [], [(0, 0, 6, 2, 0, [32, 8], [64, 64], [32, 8])])
 
 
 def test_status_says_why_the_path_is_not_used(monkeypatch):
