@@ -8,7 +8,8 @@
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
 # for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
-# probe=ws,exp16,bwd_tma,maxnreg runs those probes only (default: all); sanitize=bwd checks the backward kernels only.
+# probe=ws,exp16,bwd_tma,maxnreg runs those probes only (default: all); sanitize=bwd checks the backward kernels only,
+# sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -50,7 +51,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected. A plain run
       # first fills Triton's kernel cache: compiling under the sanitizer took over 150 s and ran out of time.
       # A plain run cut off here has only filled less of the cache: its 124 is no failure.
-      local args=; [ "$only" = bwd ] && args=--backward-only
+      local args=; [ "$only" = bwd ] && args=--backward-only; [ "$only" = gluon ] && args=--gluon
       timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
       local n=2
       for tool in memcheck racecheck; do  # the time the plain run left, shared between the two tools

@@ -9,6 +9,13 @@ backward with every pair of tiles; at odd lengths, head dims 40, 80 and 160, cro
 77 keys, masks, and misaligned views. Each forward is also checked against the float64 reference,
 so a wrong result fails too. A config that needs more shared memory than the GPU has is skipped
 (the autotuner skips it too).
+
+    compute-sanitizer --tool memcheck  python scripts/sanitize_kernels.py --gluon
+
+launches the Gluon Hopper forward instead (sm_90): its head-dim splits (40 = 32 + 16, 80 = 64 + 16,
+160 = 128 + 32) at odd lengths, through the JIT with and without the log-sum-exp, and where default
+calls take it, three times through ``flash_attn_fwd``: the JIT, the binary, then the native path's
+replay with its TMA descriptors encoded in C++.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import sys
 import torch
 from triton.runtime.errors import OutOfResources
 
+from sdpatch.kernels import flash_fwd_hopper, native
 from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _configs as fwd_configs
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, kv_tma_ok
@@ -38,6 +46,12 @@ SHAPES = [  # B, H, Nq, Nk, D, mask, layout
     # Shapes the launcher splits the head dim on (no mask, whole key blocks), with query tails.
     (1, 2, 127, 256, 80, None, "bnhd"),
     (2, 1, 200, 128, 160, None, "bnhd"),
+]
+
+
+GLUON_SHAPES = [  # B, H, Nq, Nk, D; from (1, 2, 127, 256, 80) on, default calls take the Gluon kernel
+    (1, 2, 97, 97, 40), (2, 1, 1025, 77, 40), (1, 1, 1, 1, 16), (2, 2, 1, 5, 80), (1, 2, 130, 129, 128),
+    (1, 2, 127, 256, 80), (2, 1, 200, 256, 160), (1, 2, 300, 257, 160), (2, 8, 4096, 4096, 40),
 ]
 
 
@@ -87,5 +101,33 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
     return bad
 
 
+def gluon() -> int:
+    """The Gluon forward's launches (see the module's docstring), each checked on a head's first 256
+    rows against float64; returns the number of wrong results."""
+    torch.manual_seed(0)
+    assert native.wait(), "the native module did not build"
+    bad = launches = 0
+    for B, H, Nq, Nk, D in GLUON_SHAPES:
+        q, k, v = (tensor(B, H, n, D, "bnhd", "cuda") for n in (Nq, Nk, Nk))
+        ref = attention_ref(q[:1, :1, :256], k[:1, :1], v[:1, :1])
+        calls = [(f"jit lse={lse}", lambda lse=lse: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, return_lse=lse)[0])
+                 for lse in (False, True)]
+        if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, the binary, the native replay
+            calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2, 3)]
+        for name, fn in calls:
+            out = fn()[:1, :1, :256]
+            launches += 1
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            if not err <= 1e-2:
+                bad += 1
+                print(f"WRONG gluon {B, H, Nq, Nk, D} {name}: {err:.2e}", flush=True)
+        print(f"gluon {B, H, Nq, Nk, D}: {launches} launches so far, {bad} wrong", flush=True)
+    torch.cuda.synchronize()
+    print(f"{launches} launches, {bad} wrong results")
+    return bad
+
+
 if __name__ == "__main__":
+    if "--gluon" in sys.argv[1:]:
+        sys.exit(1 if gluon() else 0)
     sys.exit(1 if main(backward_only="--backward-only" in sys.argv[1:]) else 0)
