@@ -141,7 +141,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse,
         qk_scale, H, N_Q, N_K,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr,
-        STAGES: gl.constexpr, STORE_LSE: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr,
     ):
         # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
         # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
@@ -246,7 +246,9 @@ if gluon is not None:
             _load_tile(k_desc, k_hi_desc, b, h, nxt * BLOCK_N, D_LO, SPLIT, k_bars.index(st), k_smem.index(st),
                        k_hi_smem.index(st), nxt < n_tiles)
             # -- softmax of tile j while P_{j-1} V_{j-1} runs ------------------------------------
-            if (j + 1) * BLOCK_N > N_K:
+            # No branch in the loop: ptxas then waited for P V before the softmax, not after it
+            # (its SASS, v13). Key lengths that tiles do not divide mask every tile instead.
+            if not EVEN_N:
                 scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
             m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
@@ -327,7 +329,7 @@ def launch_args(q, k, v, out, lse, scale: float, config: tuple[int, int, int, in
     assert block_m % (16 * num_warps) == 0, f"BLOCK_M={block_m}: 16-row MMA slices, as many for each of {num_warps} warps"
     args = (*descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504, H, Nq, k.shape[2])  # 1/ln 2
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=lse is not None,
-                  num_warps=num_warps)
+                  EVEN_N=k.shape[2] % block_n == 0, num_warps=num_warps)
     return (triton.cdiv(Nq, block_m), B * H, 1), args, consts
 
 

@@ -29,10 +29,8 @@ from bench_kernels import CASES as BENCH_CASES
 CASES = [c for c in BENCH_CASES if c.name in ("hd40 4096", "hd40 16384", "hd80 4096", "hd160 1024", "hd64 4096")]
 CASES.append(Case("hd80 1024", 2, 8, 1024, 1024, 80))  # SD 1.5's second level at 512 x 512
 # (BLOCK_M, BLOCK_N, num_warps, STAGES) per head dim; the first is config_for's.
-TILES = {40: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 2), (128, 64, 8, 2)],
-         64: [(64, 128, 4, 2)],
-         80: [(64, 128, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)],
-         160: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)]}
+TILES = {40: [(128, 64, 4, 3), (128, 64, 4, 2)], 64: [(64, 128, 4, 2), (64, 128, 4, 3)],
+         80: [(64, 128, 4, 2), (64, 64, 4, 2)], 160: [(64, 64, 4, 2), (64, 64, 4, 3)]}
 # B, H, Nq, Nk, D, dtype, layout ("bnhd": diffusers' (B, N, H, D) memory)
 ODD = [(1, 2, 97, 97, 40, torch.float16, "bnhd"), (2, 3, 1025, 77, 40, torch.float16, "bnhd"),
        (1, 2, 4097, 4097, 64, torch.bfloat16, "contiguous"), (2, 2, 300, 1000, 80, torch.float16, "contiguous"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -93,7 +94,7 @@ def test_split_head_dim(D, parts):
 # Gluon cannot reference the interpreted standard library. A stand-in for Triton's active driver
 # gives the target; nothing is launched.
 COMPILE = """
-import json, sys, torch, triton
+import json, os, subprocess, sys, tempfile, torch, triton
 from triton.backends.compiler import GPUTarget
 from sdpatch.kernels import flash_fwd_hopper as fh
 
@@ -103,35 +104,66 @@ class Sm90:
     def get_current_stream(self, device=None): return 0
     def get_active_torch_device(self): return torch.device("cpu")
 
-D, lse = int(sys.argv[1]), sys.argv[2] == "1"
-q = torch.empty(2, 256, 3, D, dtype=torch.float16).transpose(1, 2)
-d_lo, d_hi = fh.split_head_dim(D)
-bm, bn, warps, stages = fh.config_for(D)
+D, lse, n = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+q = torch.empty(2, n, 3, D, dtype=torch.float16).transpose(1, 2)
 triton.runtime.driver.set_active(Sm90())
-k = fh._attn_fwd_hopper.warmup(
-    *fh.descriptors(q, q, q, q, bm, bn), torch.empty(q.shape[:3]) if lse else None, 0.2, 3, 256, 256,
-    BLOCK_M=bm, BLOCK_N=bn, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=lse, num_warps=warps, grid=(1,))
-print(json.dumps(k.asm["ptx"]))
+grid, args, consts = fh.launch_args(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]) if lse else None, 0.2)
+k = fh._attn_fwd_hopper.warmup(*args, **consts, grid=grid)
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+sass = None
+if os.path.exists(cuobjdump):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+print(json.dumps({"ptx": k.asm["ptx"], "sass": sass}))
 """
 
 
-COMPILED = [(40, True), (64, False), (80, False), (128, True), (160, False)]
+def main_loop(sass: str) -> list[str]:
+    """The SASS instructions of the kernel's key-tile loop: the widest conditional backward branch's
+    span (the unconditional ones return from the barrier waits' retry stubs at the end)."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    back = [(int(t, 16), a) for a, text in code if text.startswith("@") and "BRA" in text
+            for t in re.findall(r"0x([0-9a-f]+)", text) if int(t, 16) < a]
+    start, end = max(back, key=lambda span: span[1] - span[0])
+    return [text for a, text in code if start <= a <= end]
+
+
+# (head dim, log-sum-exp stored, keys, whether the SASS order is checked). At hd160, triton 3.9's
+# ptxas (CI's) waits for P V before the softmax whatever the loop holds; triton 3.6's (the H200's) after it.
+COMPILED = [(40, True, 256, True), (40, False, 250, True), (64, False, 256, True), (80, False, 256, True),
+            (128, True, 250, True), (160, False, 256, False)]
 
 
 @pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("D,lse", COMPILED, ids=[f"D{d}{'-lse' if lse else ''}" for d, lse in COMPILED])
-def test_compiles_for_sm90(D, lse):
+@pytest.mark.parametrize("D,lse,n,order", COMPILED, ids=[f"D{d}-N{n}{'-lse' if lse else ''}" for d, lse, n, _ in COMPILED])
+def test_compiles_for_sm90(D, lse, n, order):
     """The kernel builds to an sm_90 binary with its asynchronous MMAs and TMA copies, on whatever
     triton CI installs: Gluon's API moves between releases (3.7 renamed the TMA copies). S_j is
-    waited for alone: with P V in flight, one MMA group a head-dim part."""
+    waited for alone: with P V in flight, one MMA group a head-dim part. And in the binary, P V is
+    waited for after the softmax's exponentials, not before them: a branch in the loop had ptxas
+    move that wait up (v13), with or without a tile that needs masking."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse))], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n)], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    ptx = json.loads(run.stdout.strip().splitlines()[-1])
+    built = json.loads(run.stdout.strip().splitlines()[-1])
+    ptx = built["ptx"]
     parts = 2 if fh.split_head_dim(D)[1] else 1
     assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts};" in ptx
     assert "cp.async.bulk.tensor.4d" in ptx
     assert ("st.global" in ptx) is lse
+    if not order:
+        return
+    if built["sass"] is None:
+        pytest.skip("this triton ships no cuobjdump: the SASS order is not checked")
+    loop = main_loop(built["sass"])
+    exps = [i for i, text in enumerate(loop) if "MUFU.EX2" in text]
+    waits = [i for i, text in enumerate(loop) if "WARPGROUP.DEPBAR.LE" in text and text.rstrip().endswith("0x0")]
+    block_n = fh.config_for(D)[1]
+    assert len(exps) >= block_n // 2 and waits, "no softmax or no wait for P V in the loop"
+    assert waits[0] > exps[block_n // 4], f"P V waited for before the softmax: wait at {waits[0]}, exponentials {exps[:3]}..."
 
 
 def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch, caplog):
