@@ -5,8 +5,8 @@ Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two til
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
 through zero strides. On Hopper, K and V tiles of the longest kernels (16,384 tokens and up at SD
 sizes: :data:`TMA_MIN_FLOP`) come through TMA descriptors (:func:`kv_operands`); elsewhere through
-pointer loads. On Hopper, unmasked self-attention at head dims up to 64 goes to the Gluon kernel of
-:mod:`flash_fwd_hopper` instead.
+pointer loads. On Hopper, unmasked self-attention goes to the Gluon kernel of :mod:`flash_fwd_hopper`
+instead, where it measured faster (:func:`flash_fwd_hopper.serves`).
 """
 
 from __future__ import annotations
@@ -608,8 +608,8 @@ _hopper_plans: dict[tuple, _Plan] = {}  # the Gluon kernel's launches, by layout
 def _hopper_fwd(q, k, v, scale: float, return_lse: bool, options: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A default call on the Gluon Hopper kernel, launched as the Triton kernel's are: through the
     JIT once per layout, then straight to its binary, and recorded for the native path, which
-    encodes the eight TMA descriptors in C++. Through the JIT, the descriptors' binding and
-    specialization cost 0.2-0.4 ms of host time a call (docs/benchmarks.md, v12)."""
+    encodes its TMA descriptors in C++: 12-21 us of host time a call, where the JIT took 0.1-0.2 ms
+    (docs/benchmarks.md, v13)."""
     plan = cached_plan(_hopper_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
                        lambda: _Plan({}))
     out = torch.empty_like(q)
@@ -666,7 +666,7 @@ def flash_attn_fwd(
         found = _native_fwd.run((q, k, v, mask), options, q.get_device())
         if found is not None:
             return found
-        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, head dim <= 64, self-attention
+        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, unmasked self-attention
             try:
                 return _hopper_fwd(q, k, v, scale, return_lse, options)
             except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory

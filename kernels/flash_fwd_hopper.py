@@ -9,9 +9,11 @@ only, and computes P_j while the second MMA runs.
 
 Q, K, V and O go through 4-D TMA descriptors over their (B, H, N, D) views, so any layout whose last
 dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N or D read zeros and
-write nothing: odd lengths need no masks but the last key tile's. A head dim that is not a power of
-two runs as two power-of-two parts, each with its own descriptors and MMAs (40 = 32 + 16: 48 columns
-of work where padding would do 64; :func:`split_head_dim`).
+write nothing: odd lengths need no masks but on the scores past N (every tile's, where the tile does
+not divide the keys: a branch for the last tile alone had ptxas wait for P V before the softmax,
+not after it; v13). A head dim that is not a power of two runs as two power-of-two parts, each with
+its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
+:func:`split_head_dim`).
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
 :func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
