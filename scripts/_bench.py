@@ -105,6 +105,28 @@ def probe_inputs(c: Case, device: str = "cuda"):
     return q, k, v, 1 / math.sqrt(c.D), 4 * c.B * c.H * c.Nq * c.Nk * c.D, error_of
 
 
+def forward_baselines(q, k, v, scale: float) -> dict:
+    """What the Gluon probes time the Gluon kernel against, as zero-argument calls: PyTorch's SDPA
+    pinned to cuDNN, and sdpatch's Triton kernel (the Gluon kernel turned off for the call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sdpatch.kernels import flash_fwd_hopper
+    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def triton_kernel():
+        flash_fwd_hopper.ENABLED = False
+        try:
+            return flash_attn_fwd(q, k, v, scale)[0]
+        finally:
+            flash_fwd_hopper.ENABLED = True
+
+    return {"cudnn": cudnn, "triton": triton_kernel}
+
+
 def probe_forward(tiles: list[tuple], impls_for, cases: list[Case] = PROBE_CASES, device: str = "cuda") -> list[dict]:
     """Run a forward probe: for each case and tile, ``impls_for(q, k, v, scale, config)`` gives
     {implementation name: zero-argument call}; each is checked against float64 on 512 rows of

@@ -14,14 +14,12 @@ import json
 import math
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sdpatch.kernels import flash_fwd_hopper, native
 from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import hopper_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment, probe_inputs, probe_row, probe_summary
+from _bench import Case, environment, forward_baselines, probe_inputs, probe_row, probe_summary
 from bench_kernels import CASES as BENCH_CASES
 
 # Issue 6's self-attention cases the Gluon kernel can take; hd64 4096 keeps its unsplit kernel (a check
@@ -69,21 +67,8 @@ def main() -> None:
     for c in CASES:
         q, k, v, scale, flops, error_of = probe_inputs(c)
 
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-
-        def triton_kernel():
-            with native.enabled(False):
-                flash_fwd_hopper.ENABLED = False
-                try:
-                    return flash_attn_fwd(q, k, v, scale)[0]
-                finally:
-                    flash_fwd_hopper.ENABLED = True
-
         rows.append(probe_row(c.name, "sdpatch", lambda: flash_attn_fwd(q, k, v, scale)[0], flops, error_of))
-        rows.append(probe_row(c.name, "triton", triton_kernel, flops, error_of))
-        rows.append(probe_row(c.name, "cudnn", cudnn, flops, error_of))
+        rows += [probe_row(c.name, name, fn, flops, error_of) for name, fn in forward_baselines(q, k, v, scale).items()]
         for tile in TILES[c.D]:
             rows.append(probe_row(c.name, f"gluon {tile}", lambda tile=tile: hopper_attn_fwd(q, k, v, scale, config=tile)[0],
                                   flops, error_of))

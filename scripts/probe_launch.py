@@ -17,14 +17,13 @@ import json
 import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from sdpatch.kernels import flash_fwd, flash_fwd_hopper, native
 from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import hopper_attn_fwd
 
-from _bench import Case, chosen, environment, probe_inputs
+from _bench import Case, chosen, environment, forward_baselines, probe_inputs
 from bench_kernels import CASES as BENCH_CASES
 
 CASES = [c for c in BENCH_CASES if not c.backward and c.sdpatch_backend == "triton" and c.Nq <= 16384]
@@ -56,22 +55,11 @@ def main() -> None:
             continue
         q, k, v, scale, flops, error_of = probe_inputs(c)
 
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-
-        def triton_kernel():
-            flash_fwd_hopper.ENABLED = False
-            try:
-                return flash_attn_fwd(q, k, v, scale)[0]
-            finally:
-                flash_fwd_hopper.ENABLED = True
-
         def gluon_binary():
             with native.enabled(False):
                 return flash_attn_fwd(q, k, v, scale)[0]
 
-        impls = {"cudnn": cudnn, "triton": triton_kernel, "gluon jit": lambda: hopper_attn_fwd(q, k, v, scale)[0],
+        impls = {**forward_baselines(q, k, v, scale), "gluon jit": lambda: hopper_attn_fwd(q, k, v, scale)[0],
                  "gluon binary": gluon_binary, "gluon native": lambda: flash_attn_fwd(q, k, v, scale)[0]}
         for name, fn in impls.items():
             row = dict(case=c.name, impl=name)
