@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import platform
-import tempfile
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,8 +45,6 @@ from sdpatch.models import (
 from sdpatch.planner import fit, parse_budget, plan_lines
 
 logger = logging.getLogger(__name__)
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # reading the umask means setting it: put it straight back
 
 GENERATE_BACKENDS = ("stock", *BACKENDS)
 # Sanity bounds that turn a typo into an error instead of a hang or an OOM kill. At 16384 px a
@@ -649,14 +647,14 @@ def check_folder(folder: Path, what: str) -> None:
 
 def atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
     """Write ``path`` through ``write(file)`` into a temporary file beside it, then rename it over."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:  # the file is created inside the try, under a name known before: mkstemp's window between
+        # creating it and returning its name once let a Ctrl-C leave one behind
+        with open(tmp, "xb") as f:  # a plain file's mode: 0o666 less the umask
             write(f)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file a plain file's mode
         os.replace(tmp, path)
     except BaseException:  # KeyboardInterrupt too: never leave the temporary file behind
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -319,6 +319,43 @@ def test_ctrl_c_in_the_middle_of_an_image(tmp_path, monkeypatch):
     assert report["complete"] is False and [i["seed"] for i in report["images"]] == [0]
 
 
+@pytest.mark.parametrize("moment", ["file-created", "mid-write"])
+def test_an_interrupted_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, moment):
+    """A Ctrl-C at any point of a write: right after the temporary file exists (mkstemp returned its
+    name only after creating it, and a signal between the two once left a file behind), or mid-write."""
+    from sdpatch import generate
+
+    path = tmp_path / "r.json"
+    path.write_bytes(b"old")
+
+    def interrupted_open(file, mode):
+        real = open(file, mode)
+        if moment == "file-created":
+            real.close()
+            raise KeyboardInterrupt
+        return real
+
+    def write(f):
+        f.write(b"new, half")
+        if moment == "mid-write":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "open", interrupted_open, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        generate.atomic_write(path, write)
+    assert path.read_bytes() == b"old" and leftovers(tmp_path) == []
+
+
+def test_atomic_write_makes_a_plain_file(tmp_path):
+    from sdpatch.generate import atomic_write
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    atomic_write(tmp_path / "r.json", lambda f: f.write(b"{}"))
+    assert (tmp_path / "r.json").read_bytes() == b"{}" and leftovers(tmp_path) == []
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_sigint_to_the_console_script(tmp_path):
     out, report = tmp_path / "out", tmp_path / "r.json"
     args = ["--steps", "10", "--num-images", "200", "-o", str(out), "--report-json", str(report)]
