@@ -1,18 +1,23 @@
-"""Hopper forward kernel in Gluon: the softmax of one key tile overlaps the matrix multiplies of its
-neighbours (FlashAttention-3's intra-warpgroup pipelining).
+"""Hopper forward kernel in Gluon, warp-specialized as FlashAttention-3: a producer warp streams K and
+V through TMA into a ring of shared-memory stages, and two or three consumer warpgroups, each on its
+own query tile, take turns issuing their MMAs, so that one's softmax runs while the tensor cores
+work on another's (ping-pong).
 
-Triton keeps a program's dots and softmax in program order, so :mod:`flash_fwd`'s kernel cannot
-overlap them (docs/benchmarks.md, v5-v9). Gluon exposes what the compiler hides: asynchronous
-warpgroup MMAs with explicit waits, and TMA loads into a ring of shared-memory stages guarded by
-mbarriers. Per key tile j the loop issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, waits for S_j
-only, and computes P_j while the second MMA runs.
+Triton keeps a program's dots and softmax in program order (docs/benchmarks.md, v5-v9). Gluon exposes
+what the compiler hides: asynchronous warpgroup MMAs with explicit waits, TMA copies and mbarriers,
+and warp specialization with per-partition register budgets (``setmaxnreg``). Each consumer, per key
+tile j: in its turn, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} and pass the turn on; wait for S_j
+and release K_j's stage; compute P_j; wait for P V and release V_{j-1}'s stage; rescale O. The row
+sums come from the tensor cores too, P times a block of ones beside P V, rescaled as O is: an add an
+element less. (ptxas waits for P V before P_j's exponentials whatever the program order: it hands
+P_j the registers that P_{j-1}'s MMA reads, v14. The turns overlap one warpgroup's softmax with
+another's MMAs all the same.)
 
 Q, K, V and O go through 4-D TMA descriptors over their (B, H, N, D) views, so any layout whose last
 dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N or D read zeros and
 write nothing: odd lengths need no masks but on the scores past N (every tile's, where the tile does
-not divide the keys: a branch for the last tile alone had ptxas wait for P V before the softmax,
-not after it; v13). A head dim that is not a power of two runs as two power-of-two parts, each with
-its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
+not divide the keys; v13). A head dim that is not a power of two runs as two power-of-two parts, each
+with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
 :func:`split_head_dim`).
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
@@ -44,14 +49,12 @@ except ImportError:  # older triton: the Triton kernel serves every call
 
 log = logging.getLogger(__name__)
 
-# Where this kernel serves flash_attn_fwd's default calls, from per-call times against the Triton
-# kernel on an H200, both launched natively (docs/benchmarks.md, v13), in TFLOP/s: self-attention
-# of MIN_KEYS keys and more (at 77 keys it lost, 45 against 49 at hd40), at every head dim above 64
-# (hd80: 284 against 226 at 1024 tokens, 407 against 392 at 4096; hd160: 63 against 55 at 256,
-# 401 against 315 at 1024), and up to head dim 64 on calls of SMALL_HEAD_MIN_FLOP and more
-# (SDXL's 1024 tokens at hd64, 1.1e10 FLOPs: 277 against 293; hd40 4096, 4.3e10: 260 against 238).
+# Where this kernel serves flash_attn_fwd's default calls (docs/benchmarks.md, v14): self-attention of
+# MIN_KEYS keys and more (at 77 keys the Triton kernel won: 45 against 49 TFLOP/s at hd40, v13), on
+# grids of MIN_PROGRAMS programs and more: a program takes 2-3 query tiles, and a grid under one
+# wave of the H200's 132 SMs leaves SMs idle where the Triton kernel's smaller tiles fill them.
 MIN_KEYS = 256
-SMALL_HEAD_MIN_FLOP = 2e10
+MIN_PROGRAMS = 128
 ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
 
@@ -69,14 +72,24 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, STAGES), from v11-v12's probes on an H200: one warpgroup a
-    program, so that two share an SM and one's softmax also overlaps the other's MMAs. Head dims
-    under 64 take 128 query rows: with 64, hd40's programs re-read K and V from L2 faster than L2
-    serves them (175 against 257 TFLOP/s), and 3 stages beat 2 there (265 against 261). Above 128,
-    64-key tiles (hd160: 497 against 350-389 for the other tiles)."""
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS): a consumer warpgroup's query rows, the key tile, the K
+    and V ring's stages, and consumer warpgroups a program, from v14's probes on an H200 (CUDA-graph
+    replay, TFLOP/s). Head dims under 64: two consumers of 128 rows (hd40 4096: 280; 256-key tiles
+    spill). Head dim 64: three of 64 rows, as FlashAttention-3 (hd64 1024: 355 against 300 for two;
+    4096: 427 against 424). Above: two of 64 rows and 128-key tiles (hd80 4096: 453 against 263
+    for three, which spill; hd160 1024: 548-557 against 508 for 64-key tiles), and 64-key tiles past
+    160, whose 128-key stages would not fit in shared memory."""
     if head_dim < 64:
-        return 128, 64, 4, 3
-    return (64, 128, 4, 2) if head_dim <= 128 else (64, 64, 4, 2)
+        return 128, 64, 2, 2
+    if head_dim == 64:
+        return 64, 128, 2, 3
+    return (64, 128, 2, 2) if head_dim <= 160 else (64, 64, 2, 2)
+
+
+def consumer_regs(consumers: int) -> int:
+    """Registers a consumer thread gets (``setmaxnreg``): an SM's 64K over 128-thread warpgroups,
+    the producer's one warp holding a warpgroup's slot at 24 (240 for two consumers, 160 for three)."""
+    return (65536 // 128 - 24) // consumers // 8 * 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,8 +121,8 @@ def on() -> bool:
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
     """Whether flash_attn_fwd's default call goes to this kernel (see :data:`MIN_KEYS`)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    return (on() and Nk >= MIN_KEYS and (D > 64 or 4 * B * H * Nq * Nk * D >= SMALL_HEAD_MIN_FLOP)
+    block_m, _, _, consumers = config_for(D)
+    return (on() and k.shape[2] >= MIN_KEYS and triton.cdiv(Nq, block_m * consumers) * B * H >= MIN_PROGRAMS
             and hopper_fwd_ok(q, k, v, mask))
 
 
@@ -123,182 +136,274 @@ if gluon is not None:
 
     @gluon.jit
     def _scores_tail(scores, start, N_K, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        """Keys past N_K (zeros from TMA) out of the softmax: only the last tile needs this."""
+        """Keys past N_K (zeros from TMA) out of the softmax."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         return gl.where((offs_n < N_K - start)[None, :], scores, float("-inf"))
 
     @gluon.jit
-    def _load_tile(desc, hi_desc, b, h, row, D_LO: gl.constexpr, SPLIT: gl.constexpr, bar, smem, hi_smem, pred):
+    def _load_tile(desc, hi_desc, b, h, row, D_LO: gl.constexpr, SPLIT: gl.constexpr, bar, smem, hi_smem):
         """A tile's column parts, both onto one barrier."""
         if SPLIT:
-            mbarrier.expect(bar, desc.block_type.nbytes + hi_desc.block_type.nbytes, pred=pred)
-            _tma_load(desc, [b, h, row, 0], bar, smem, pred=pred)
-            _tma_load(hi_desc, [b, h, row, D_LO], bar, hi_smem, pred=pred)
+            mbarrier.expect(bar, desc.block_type.nbytes + hi_desc.block_type.nbytes)
+            _tma_load(desc, [b, h, row, 0], bar, smem)
+            _tma_load(hi_desc, [b, h, row, D_LO], bar, hi_smem)
         else:
-            mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-            _tma_load(desc, [b, h, row, 0], bar, smem, pred=pred)
+            mbarrier.expect(bar, desc.block_type.nbytes)
+            _tma_load(desc, [b, h, row, 0], bar, smem)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                  q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D_LO: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+        """One warp: every consumer's Q tile, then K and V tiles into the ring as its stages come free."""
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        for w in gl.static_range(CONSUMERS):
+            _load_tile(q_desc, q_hi_desc, b, h, (gl.program_id(0) * CONSUMERS + w) * BLOCK_M, D_LO, SPLIT, q_bars.index(w),
+                       q_smem.index(w), q_hi_smem.index(w))
+        for j in range(gl.cdiv(N_K, BLOCK_N)):
+            st = j % STAGES
+            free = ((j // STAGES) & 1) ^ 1  # a fresh barrier's phase before its first counts as complete
+            mbarrier.wait(k_empty.index(st), free)
+            _load_tile(k_desc, k_hi_desc, b, h, j * BLOCK_N, D_LO, SPLIT, k_full.index(st), k_smem.index(st),
+                       k_hi_smem.index(st))
+            mbarrier.wait(v_empty.index(st), free)
+            _load_tile(v_desc, v_hi_desc, b, h, j * BLOCK_N, D_LO, SPLIT, v_full.index(st), v_smem.index(st),
+                       v_hi_smem.index(st))
+
+    @gluon.jit
+    def _issue_pv(p_op, v_smem, v_hi_smem, ones_smem, acc, acc_hi, acc_l, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
+                  D_HI: gl.constexpr, p_hi_layout: gl.constexpr, p_l_layout: gl.constexpr):
+        """O += P V over each head-dim part, and l += P times ones (its every column a row sum):
+        one MMA group each. Returns their tokens and the operands they read."""
+        o_tok = warpgroup_mma(p_op, v_smem.reshape([BLOCK_N, D_LO]), acc, is_async=True)
+        if D_HI > 0:
+            p_hi_op = gl.convert_layout(p_op, p_hi_layout)
+            o_hi_tok = warpgroup_mma(p_hi_op, v_hi_smem.reshape([BLOCK_N, D_HI]), acc_hi, is_async=True)
+        else:  # stand-ins, never waited for
+            p_hi_op = p_op
+            o_hi_tok = o_tok
+        p_l_op = gl.convert_layout(p_op, p_l_layout)
+        l_tok = warpgroup_mma(p_l_op, ones_smem.permute((1, 0)), acc_l, is_async=True)
+        return o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem,
+                  v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr, STAGES: gl.constexpr,
+                  STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Warpgroup WG's BLOCK_M query rows. Per key tile j: in its turn, issue S_j = Q K_j^T and
+        O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j, release K_j, compute P_j; wait for
+        P V, release V_{j-1}, rescale O."""
+        SPLIT: gl.constexpr = D_HI > 0
+        pid_bh = gl.program_id(1)
+        b = pid_bh // o_desc.shape[1]
+        h = pid_bh % o_desc.shape[1]
+        off_m = (gl.program_id(0) * CONSUMERS + WG) * BLOCK_M
+        n_tiles = gl.cdiv(N_K, BLOCK_N)
+        dtype: gl.constexpr = o_desc.dtype
+
+        # S's, O's and l's MMA layouts differ only in N; P feeds the P V MMAs from registers.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D_LO, 16])
+        o_hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, max(D_HI, 8), 16])
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_hi_layout, k_width=2)
+        p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        PV_GROUPS: gl.constexpr = 2 + SPLIT  # MMA groups behind S_j: P V's parts and the row sums
+
+        q_op = q_smem.index(WG).reshape([BLOCK_M, D_LO])
+        if SPLIT:
+            q_hi_op = q_hi_smem.index(WG).reshape([BLOCK_M, D_HI])
+        else:
+            q_hi_op = q_op
+        my_turn = turns.index(WG)
+        next_turn = turns.index((WG + 1) % CONSUMERS)
+        if WG == CONSUMERS - 1:  # the first turn is the first consumer's
+            mbarrier.arrive(turns.index(0))
+
+        # -- tile 0: its scores, then its softmax ------------------------------------------------
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_bars.index(WG), 0)
+        mbarrier.wait(k_full.index(0), 0)
+        mbarrier.wait(my_turn, 0)
+        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        if SPLIT:
+            s_tok = warpgroup_mma(q_hi_op, k_hi_smem.index(0).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
+                                  is_async=True)
+        mbarrier.arrive(next_turn)
+        scores = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0))
+        if BLOCK_N > N_K:
+            scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
+        # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
+        m_i = gl.max(scores, axis=1) * qk_scale
+        p_op = gl.convert_layout(gl.exp2(scores * qk_scale - m_i[:, None]).to(dtype), p_layout)
+        acc = gl.zeros([BLOCK_M, D_LO], gl.float32, o_layout)
+        acc_hi = gl.zeros([BLOCK_M, max(D_HI, 8)], gl.float32, o_hi_layout)
+        acc_l = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
+
+        for j in range(1, n_tiles):
+            st = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
+            mbarrier.wait(my_turn, j & 1)
+            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            if SPLIT:
+                s_tok = warpgroup_mma(q_hi_op, k_hi_smem.index(st).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
+                                      is_async=True)
+            mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+            o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op = _issue_pv(p_op, v_smem.index(prev), v_hi_smem.index(prev),
+                                                                ones_smem, acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI,
+                                                                p_hi_layout, p_l_layout)
+            mbarrier.arrive(next_turn)
+            scores = warpgroup_mma_wait(PV_GROUPS, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(st))
+            # No branch in the loop (a branch had ptxas wait for P V before the softmax; v13): key
+            # lengths that tiles do not divide mask every tile.
+            if not EVEN_N:
+                scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
+            m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(scores * qk_scale - m_new[:, None])
+            m_i = m_new
+            # P_{j-1} stays in deps: its registers must outlive the MMAs that read them.
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            if SPLIT:
+                acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
+            acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+            mbarrier.arrive(v_empty.index(prev))
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            if SPLIT:
+                acc_hi = acc_hi * gl.convert_layout(alpha, gl.SliceLayout(1, o_hi_layout))[:, None]
+            acc_l = acc_l * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+
+        # -- the last tile's P V, then the epilogue ----------------------------------------------
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
+        mbarrier.wait(my_turn, n_tiles & 1)
+        o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op = _issue_pv(p_op, v_smem.index(last), v_hi_smem.index(last), ones_smem,
+                                                            acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI, p_hi_layout,
+                                                            p_l_layout)
+        mbarrier.arrive(next_turn)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        if SPLIT:
+            acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
+        acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+        mbarrier.arrive(v_empty.index(last))
+        l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
+
+        # Q's buffers take O: every MMA that read them is done.
+        o_smem = q_smem.index(WG)
+        o_smem.reshape([BLOCK_M, D_LO]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
+        if SPLIT:
+            q_hi_smem.index(WG).reshape([BLOCK_M, D_HI]).store(
+                (acc_hi / gl.convert_layout(l_i, gl.SliceLayout(1, o_hi_layout))[:, None]).to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, off_m, 0], o_smem)
+        if SPLIT:  # columns past the head dim are not written
+            _tma_store(o_hi_desc, [b, h, off_m, D_LO], q_hi_smem.index(WG))
+        if STORE_LSE:  # base-2 log-sum-exp of the scaled scores, as the Triton kernel stores it
+            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lse = m_i + gl.log2(gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)))
+            gl.store(Lse + pid_bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+        tma.store_wait(pendings=0)
 
     @gluon.jit
     def _attn_fwd_hopper(
         q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse,
         qk_scale, H, N_Q, N_K,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr,
-        STAGES: gl.constexpr, STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, STORE_LSE: gl.constexpr,
+        EVEN_N: gl.constexpr, num_warps: gl.constexpr,
     ):
         # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
         # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
-        # are None.
+        # are None. A program: CONSUMERS query tiles of BLOCK_M rows over one (batch, head).
         SPLIT: gl.constexpr = D_HI > 0
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        off_m = pid_m * BLOCK_M
-        n_tiles = gl.cdiv(N_K, BLOCK_N)
         dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
 
-        # S's and O's MMA layouts differ only in N; P feeds the second MMA from registers.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, D_LO, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        if SPLIT:
-            o_hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                                  instr_shape=[16, D_HI, 16])
-            p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_hi_layout, k_width=2)
-            o_hi_rows: gl.constexpr = gl.SliceLayout(1, o_hi_layout)
-
-        # -- shared memory: Q, a ring of K and V stages, their barriers --------------------------
-        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_LO], q_desc.layout)
+        # -- shared memory: each consumer's Q (later its O), a ring of K and V stages, barriers ---
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, D_LO], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_LO], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_LO], v_desc.layout)
         if SPLIT:
-            q_hi_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_HI], q_hi_desc.layout)
+            q_hi_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, D_HI], q_hi_desc.layout)
             k_hi_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_HI], k_hi_desc.layout)
             v_hi_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D_HI], v_hi_desc.layout)
-        else:  # never read: the first part's buffers stand in
+        else:  # partitions take no None: the first part's buffers and descriptors stand in, never read
             q_hi_smem = q_smem
             k_hi_smem = k_smem
             v_hi_smem = v_smem
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(k_bars.index(s), count=1)
-            mbarrier.init(v_bars.index(s), count=1)
-        q_op = q_smem.reshape([BLOCK_M, D_LO])
-
-        _load_tile(q_desc, q_hi_desc, b, h, off_m, D_LO, SPLIT, q_bar, q_smem, q_hi_smem, True)
-        for s in gl.static_range(STAGES):
-            live = s < n_tiles
-            _load_tile(k_desc, k_hi_desc, b, h, s * BLOCK_N, D_LO, SPLIT, k_bars.index(s), k_smem.index(s),
-                       k_hi_smem.index(s), live)
-            _load_tile(v_desc, v_hi_desc, b, h, s * BLOCK_N, D_LO, SPLIT, v_bars.index(s), v_smem.index(s),
-                       v_hi_smem.index(s), live)
-
-        # -- tile 0: its scores, then its softmax, with nothing to overlap -----------------------
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_bars.index(0), 0)
-        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        if SPLIT:
-            s_tok = warpgroup_mma(q_hi_smem.reshape([BLOCK_M, D_HI]),
-                                  k_hi_smem.index(0).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok, is_async=True)
-        scores = warpgroup_mma_wait(0, deps=(s_tok, ))
-        _load_tile(k_desc, k_hi_desc, b, h, STAGES * BLOCK_N, D_LO, SPLIT, k_bars.index(0), k_smem.index(0),
-                   k_hi_smem.index(0), STAGES < n_tiles)
-        if BLOCK_N > N_K:
-            scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
-        # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
-        m_i = gl.max(scores, axis=1) * qk_scale
-        p = gl.exp2(scores * qk_scale - m_i[:, None])
-        l_i = gl.sum(p, axis=1)
-        acc = gl.zeros([BLOCK_M, D_LO], gl.float32, o_layout)
-        if SPLIT:
-            acc_hi = gl.zeros([BLOCK_M, D_HI], gl.float32, o_hi_layout)
-
-        for j in range(1, n_tiles):
-            st = j % STAGES
-            prev = (j - 1) % STAGES
-            # -- issue S_j, then O += P_{j-1} V_{j-1}; wait for S_j only ------------------------
-            mbarrier.wait(k_bars.index(st), (j // STAGES) & 1)
-            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if SPLIT:
-                s_tok = warpgroup_mma(q_hi_smem.reshape([BLOCK_M, D_HI]),
-                                      k_hi_smem.index(st).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
-                                      is_async=True)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-            o_tok = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D_LO]), acc, is_async=True)
-            if SPLIT:
-                p_hi_op = gl.convert_layout(p_op, p_hi_layout)
-                o_hi_tok = warpgroup_mma(p_hi_op, v_hi_smem.index(prev).reshape([BLOCK_N, D_HI]), acc_hi,
-                                         is_async=True)
-                scores = warpgroup_mma_wait(2, deps=(s_tok, ))  # one group an MMA: both P V parts may run on
-            else:
-                scores = warpgroup_mma_wait(1, deps=(s_tok, ))
-            if num_warps > 4:  # every warpgroup reads K_j: none may refill it before all are done
-                gl.thread_barrier()
-            nxt = j + STAGES
-            _load_tile(k_desc, k_hi_desc, b, h, nxt * BLOCK_N, D_LO, SPLIT, k_bars.index(st), k_smem.index(st),
-                       k_hi_smem.index(st), nxt < n_tiles)
-            # -- softmax of tile j while P_{j-1} V_{j-1} runs ------------------------------------
-            # No branch in the loop: ptxas then waited for P V before the softmax, not after it
-            # (its SASS, v13). Key lengths that tiles do not divide mask every tile instead.
-            if not EVEN_N:
-                scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
-            m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(scores * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            # P_{j-1} stays in deps: its registers must outlive the MMAs that read them.
-            if SPLIT:
-                acc, acc_hi, p_op, p_hi_op = warpgroup_mma_wait(0, deps=(o_tok, o_hi_tok, p_op, p_hi_op))
-            else:
-                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            if num_warps > 4:
-                gl.thread_barrier()
-            _load_tile(v_desc, v_hi_desc, b, h, (nxt - 1) * BLOCK_N, D_LO, SPLIT, v_bars.index(prev),
-                       v_smem.index(prev), v_hi_smem.index(prev), nxt - 1 < n_tiles)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            if SPLIT:
-                acc_hi = acc_hi * gl.convert_layout(alpha, o_hi_rows)[:, None]
-
-        # -- the last tile's P V, then the epilogue ----------------------------------------------
-        last = (n_tiles - 1) % STAGES
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D_LO]), acc, is_async=True)
-        if SPLIT:
-            p_hi_op = gl.convert_layout(p_op, p_hi_layout)
-            o_hi_tok = warpgroup_mma(p_hi_op, v_hi_smem.index(last).reshape([BLOCK_N, D_HI]), acc_hi, is_async=True)
-            acc, acc_hi, p_op, p_hi_op = warpgroup_mma_wait(0, deps=(o_tok, o_hi_tok, p_op, p_hi_op))
-        else:
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        mbarrier.invalidate(q_bar)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(k_bars.index(s))
-            mbarrier.invalidate(v_bars.index(s))
-
-        o_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_LO], o_desc.layout)
-        o_smem.reshape([BLOCK_M, D_LO]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
-        if SPLIT:
-            o_hi_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D_HI], o_hi_desc.layout)
-            o_hi_smem.reshape([BLOCK_M, D_HI]).store((acc_hi / gl.convert_layout(l_i, o_hi_rows)[:, None]).to(dtype))
+            q_hi_desc = q_desc
+            k_hi_desc = k_desc
+            v_hi_desc = v_desc
+            o_hi_desc = o_desc
+        if not STORE_LSE:
+            Lse = qk_scale
+        # Ones for the row sums' MMA, K-major as K is (the MMAs read them transposed).
+        ones_smem = gl.allocate_shared_memory(
+            dtype, [8, BLOCK_N], gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BLOCK_N, 128), element_bitwidth=16,
+                                                      rank=2),
+            gl.full([8, BLOCK_N], 1.0, dtype, gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])))
         fence_async_shared()
-        _tma_store(o_desc, [b, h, off_m, 0], o_smem)
-        if SPLIT:  # columns past the head dim are not written
-            _tma_store(o_hi_desc, [b, h, off_m, D_LO], o_hi_smem)
-        if STORE_LSE:  # base-2 log-sum-exp of the scaled scores, as the Triton kernel stores it
-            offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            gl.store(Lse + pid_bh.to(gl.int64) * N_Q + offs_m, m_i + gl.log2(l_i), mask=offs_m < N_Q)
-        tma.store_wait(pendings=0)
+        q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(CONSUMERS):
+            mbarrier.init(q_bars.index(w), count=1)
+            mbarrier.init(turns.index(w), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(s), count=1)
+            mbarrier.init(v_full.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=CONSUMERS)  # one arrival from each consumer
+            mbarrier.init(v_empty.index(s), count=CONSUMERS)
+
+        # Each partition's arguments written out: a tuple bound to a name turns its constexprs
+        # into tensors. The producer's one warp takes a warpgroup's register slot, at 24 a thread.
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (0, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
+                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (1, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
+                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_producer, (k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem,
+                             v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M, BLOCK_N,
+                             D_LO, SPLIT, STAGES, CONSUMERS)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
+            gl.warp_specialize([
+                (_consumer, (0, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
+                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (1, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
+                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (2, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
+                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
+                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_producer, (k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem,
+                             v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M, BLOCK_N,
+                             D_LO, SPLIT, STAGES, CONSUMERS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,19 +432,20 @@ def launch_args(q, k, v, out, lse, scale: float, config: tuple[int, int, int, in
     B, H, Nq, D = q.shape
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
     d_lo, d_hi = split_head_dim(D)
-    block_m, block_n, num_warps, stages = config or config_for(D)
-    assert block_m % (16 * num_warps) == 0, f"BLOCK_M={block_m}: 16-row MMA slices, as many for each of {num_warps} warps"
+    block_m, block_n, stages, consumers = config or config_for(D)
+    assert block_m % 64 == 0 and consumers in (2, 3), f"BLOCK_M={block_m}, {consumers} consumers: 64-row MMAs, 2 or 3 warpgroups"
     args = (*descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504, H, Nq, k.shape[2])  # 1/ln 2
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, STORE_LSE=lse is not None,
-                  EVEN_N=k.shape[2] % block_n == 0, num_warps=num_warps)
-    return (triton.cdiv(Nq, block_m), B * H, 1), args, consts
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, CONSUMERS=consumers,
+                  CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=k.shape[2] % block_n == 0,
+                  num_warps=4)
+    return (triton.cdiv(Nq, consumers * block_m), B * H, 1), args, consts
 
 
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
                     config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward on the Gluon kernel, launched through the JIT; arguments and results as
-    :func:`flash_fwd.flash_attn_fwd`'s (no mask). ``config``: (BLOCK_M, BLOCK_N, num_warps,
-    STAGES), else :func:`config_for`'s."""
+    :func:`flash_fwd.flash_attn_fwd`'s (no mask). ``config``: (BLOCK_M, BLOCK_N, STAGES,
+    CONSUMERS), else :func:`config_for`'s."""
     assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None

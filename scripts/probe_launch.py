@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
     assert native.wait(), "the native module did not build"
     # Every case here goes to the Gluon kernel when it is on: the probe decides where it should.
-    flash_fwd_hopper.MIN_KEYS, flash_fwd_hopper.SMALL_HEAD_MIN_FLOP = 0, 0
+    flash_fwd_hopper.MIN_KEYS, flash_fwd_hopper.MIN_PROGRAMS = 0, 0
     rows = []
     for c in CASES:
         if not chosen(c, args.only):

@@ -13,7 +13,8 @@ so a wrong result fails too. A config that needs more shared memory than the GPU
     compute-sanitizer --tool memcheck  python scripts/sanitize_kernels.py --gluon
 
 launches the Gluon Hopper forward instead (sm_90): its head-dim splits (40 = 32 + 16, 80 = 64 + 16,
-160 = 128 + 32) at odd lengths, through the JIT with and without the log-sum-exp, and where default
+160 = 128 + 32) at odd lengths, with two consumer warpgroups and three (head dim 64), through the JIT
+with and without the log-sum-exp, and where default
 calls take it, three times through ``flash_attn_fwd``: the JIT, the binary, then the native path's
 replay with its TMA descriptors encoded in C++.
 """
@@ -49,9 +50,9 @@ SHAPES = [  # B, H, Nq, Nk, D, mask, layout
 ]
 
 
-GLUON_SHAPES = [  # B, H, Nq, Nk, D; from (1, 2, 127, 256, 80) on, default calls take the Gluon kernel
+GLUON_SHAPES = [  # B, H, Nq, Nk, D; from (8, 16, 256, 256, 64) on, default calls take the Gluon kernel
     (1, 2, 97, 97, 40), (2, 1, 1025, 77, 40), (1, 1, 1, 1, 16), (2, 2, 1, 5, 80), (1, 2, 130, 129, 128),
-    (1, 2, 127, 256, 80), (2, 1, 200, 256, 160), (1, 2, 300, 257, 160), (2, 8, 4096, 4096, 40),
+    (1, 2, 300, 257, 64), (2, 1, 200, 256, 256), (8, 16, 256, 256, 64), (4, 16, 300, 257, 160), (2, 8, 4096, 4096, 40),
 ]
 
 
