@@ -175,9 +175,9 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_pv(p_op, v_smem, v_hi_smem, ones_smem, acc, acc_hi, acc_l, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
-                  D_HI: gl.constexpr, p_hi_layout: gl.constexpr, p_l_layout: gl.constexpr):
-        """O += P V over each head-dim part, and l += P times ones (its every column a row sum):
-        one MMA group each. Returns their tokens and the operands they read."""
+                  D_HI: gl.constexpr, ROWSUM_MMA: gl.constexpr, p_hi_layout: gl.constexpr, p_l_layout: gl.constexpr):
+        """O += P V over each head-dim part, and (ROWSUM_MMA) l += P times ones, its every column a
+        row sum: one MMA group each. Returns their tokens and the operands they read."""
         o_tok = warpgroup_mma(p_op, v_smem.reshape([BLOCK_N, D_LO]), acc, is_async=True)
         if D_HI > 0:
             p_hi_op = gl.convert_layout(p_op, p_hi_layout)
@@ -185,8 +185,12 @@ if gluon is not None:
         else:  # stand-ins, never waited for
             p_hi_op = p_op
             o_hi_tok = o_tok
-        p_l_op = gl.convert_layout(p_op, p_l_layout)
-        l_tok = warpgroup_mma(p_l_op, ones_smem.permute((1, 0)), acc_l, is_async=True)
+        if ROWSUM_MMA:
+            p_l_op = gl.convert_layout(p_op, p_l_layout)
+            l_tok = warpgroup_mma(p_l_op, ones_smem.permute((1, 0)), acc_l, is_async=True)
+        else:
+            p_l_op = p_op
+            l_tok = o_tok
         return o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op
 
     @gluon.jit
@@ -218,7 +222,11 @@ if gluon is not None:
         p_hi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_hi_layout, k_width=2)
         p_l_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        PV_GROUPS: gl.constexpr = 2 + SPLIT  # MMA groups behind S_j: P V's parts and the row sums
+        # fp16: the row sums from the tensor cores, of P as P V takes it (rounded to fp16: 2^-11).
+        # bf16 rounds to 2^-8, and such sums moved the log-sum-exp 1.4e-3 from the Triton kernel's
+        # (v14), so bf16 adds the fp32 P.
+        ROWSUM_MMA: gl.constexpr = dtype == gl.float16
+        PV_GROUPS: gl.constexpr = 1 + SPLIT + ROWSUM_MMA  # MMA groups behind S_j: P V's parts, the row sums
 
         q_op = q_smem.index(WG).reshape([BLOCK_M, D_LO])
         if SPLIT:
@@ -247,7 +255,10 @@ if gluon is not None:
             scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
         # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
         m_i = gl.max(scores, axis=1) * qk_scale
-        p_op = gl.convert_layout(gl.exp2(scores * qk_scale - m_i[:, None]).to(dtype), p_layout)
+        p = gl.exp2(scores * qk_scale - m_i[:, None])
+        if not ROWSUM_MMA:
+            l_i = gl.sum(p, axis=1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = gl.zeros([BLOCK_M, D_LO], gl.float32, o_layout)
         acc_hi = gl.zeros([BLOCK_M, max(D_HI, 8)], gl.float32, o_hi_layout)
         acc_l = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
@@ -265,7 +276,7 @@ if gluon is not None:
             mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
             o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op = _issue_pv(p_op, v_smem.index(prev), v_hi_smem.index(prev),
                                                                 ones_smem, acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI,
-                                                                p_hi_layout, p_l_layout)
+                                                                ROWSUM_MMA, p_hi_layout, p_l_layout)
             mbarrier.arrive(next_turn)
             scores = warpgroup_mma_wait(PV_GROUPS, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(st))
@@ -276,33 +287,38 @@ if gluon is not None:
             m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(scores * qk_scale - m_new[:, None])
+            if not ROWSUM_MMA:
+                l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             # P_{j-1} stays in deps: its registers must outlive the MMAs that read them.
             acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             if SPLIT:
                 acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
-            acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+            if ROWSUM_MMA:
+                acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
             mbarrier.arrive(v_empty.index(prev))
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             if SPLIT:
                 acc_hi = acc_hi * gl.convert_layout(alpha, gl.SliceLayout(1, o_hi_layout))[:, None]
-            acc_l = acc_l * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+            if ROWSUM_MMA:
+                acc_l = acc_l * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
 
         # -- the last tile's P V, then the epilogue ----------------------------------------------
         last = (n_tiles - 1) % STAGES
         mbarrier.wait(v_full.index(last), ((n_tiles - 1) // STAGES) & 1)
         mbarrier.wait(my_turn, n_tiles & 1)
         o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op = _issue_pv(p_op, v_smem.index(last), v_hi_smem.index(last), ones_smem,
-                                                            acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI, p_hi_layout,
-                                                            p_l_layout)
+                                                            acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI, ROWSUM_MMA,
+                                                            p_hi_layout, p_l_layout)
         mbarrier.arrive(next_turn)
         acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
         if SPLIT:
             acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
-        acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+        if ROWSUM_MMA:
+            acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+            l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
         mbarrier.arrive(v_empty.index(last))
-        l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
 
         # Q's buffers take O: every MMA that read them is done.
         o_smem = q_smem.index(WG)

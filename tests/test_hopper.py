@@ -112,28 +112,29 @@ class Sm90:
     def get_current_stream(self, device=None): return 0
     def get_active_torch_device(self): return torch.device("cpu")
 
-D, lse, n = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
-q = torch.empty(2, n, 3, D, dtype=torch.float16).transpose(1, 2)
+D, lse, n, dtype = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), getattr(torch, sys.argv[4])
+q = torch.empty(2, n, 3, D, dtype=dtype).transpose(1, 2)
 triton.runtime.driver.set_active(Sm90())
 grid, args, consts = fh.launch_args(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]) if lse else None, 0.2)
 k = fh._attn_fwd_hopper.warmup(*args, **consts, grid=grid)
 print(json.dumps({"ptx": k.asm["ptx"], "num_warps": k.metadata.num_warps}))
 """
 
-# (head dim, log-sum-exp stored, keys): split and unsplit head dims, two and three consumers.
-COMPILED = [(40, True, 256), (40, False, 250), (64, False, 256), (80, False, 256), (128, True, 250), (160, False, 256)]
+# (head dim, log-sum-exp stored, keys, dtype): split and unsplit head dims, two and three consumers.
+COMPILED = [(40, True, 256, "float16"), (40, False, 250, "bfloat16"), (64, False, 256, "float16"), (80, False, 256, "float16"),
+            (128, True, 250, "float16"), (160, False, 256, "float16")]
 
 
 @pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("D,lse,n", COMPILED, ids=[f"D{d}-N{n}{'-lse' if lse else ''}" for d, lse, n in COMPILED])
-def test_compiles_for_sm90(D, lse, n):
+@pytest.mark.parametrize("D,lse,n,dtype", COMPILED, ids=[f"D{d}-N{n}-{t}{'-lse' if lse else ''}" for d, lse, n, t in COMPILED])
+def test_compiles_for_sm90(D, lse, n, dtype):
     """The kernel builds to an sm_90 binary, warp-specialized, with its asynchronous MMAs, TMA copies
     and barrier handoffs, on whatever triton CI installs: Gluon's API moves between releases (3.7
     renamed the TMA copies). S_j is waited for alone, with P V's MMA groups (one a head-dim part)
-    and the row sums' still in flight."""
+    and, in fp16, the row sums' still in flight."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n), dtype], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     ptx = built["ptx"]
@@ -142,7 +143,9 @@ def test_compiles_for_sm90(D, lse, n):
     assert built["num_warps"] == 4 * consumers + 4  # the producer's warp holds a warpgroup's slot
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{fh.consumer_regs(consumers)};", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
-    assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts + 1};" in ptx
+    rowsum_mma = dtype == "float16"
+    assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts + rowsum_mma};" in ptx
+    assert ("m64n8k16" in ptx) is rowsum_mma
     assert "cp.async.bulk.tensor.4d" in ptx and "mbarrier.arrive" in ptx
     assert ("st.global" in ptx) is lse
 
