@@ -7,11 +7,11 @@ Triton keeps a program's dots and softmax in program order (docs/benchmarks.md, 
 what the compiler hides: asynchronous warpgroup MMAs with explicit waits, TMA copies and mbarriers,
 and warp specialization with per-partition register budgets (``setmaxnreg``). Each consumer, per key
 tile j: in its turn, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} and pass the turn on; wait for S_j
-and release K_j's stage; compute P_j; wait for P V and release V_{j-1}'s stage; rescale O. The row
-sums come from the tensor cores too, P times a block of ones beside P V, rescaled as O is: an add an
-element less. (ptxas waits for P V before P_j's exponentials whatever the program order: it hands
-P_j the registers that P_{j-1}'s MMA reads, v14. The turns overlap one warpgroup's softmax with
-another's MMAs all the same.)
+and release K_j's stage; compute P_j; wait for P V and release V_{j-1}'s stage; rescale O. In fp16
+the row sums come from the tensor cores too, P times a block of ones beside P V, rescaled as O is:
+an add an element less. (ptxas waits for P V before P_j's exponentials whatever the program order:
+it hands P_j the registers that P_{j-1}'s MMA reads, v14. The turns overlap one warpgroup's softmax
+with another's MMAs all the same.)
 
 Q, K, V and O go through 4-D TMA descriptors over their (B, H, N, D) views, so any layout whose last
 dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N or D read zeros and
@@ -74,8 +74,8 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS): a consumer warpgroup's query rows, the key tile, the K
     and V ring's stages, and consumer warpgroups a program, from v14's probes on an H200 (CUDA-graph
-    replay, TFLOP/s). Head dims under 64: two consumers of 128 rows (hd40 4096: 280; 256-key tiles
-    spill). Head dim 64: three of 64 rows, as FlashAttention-3 (hd64 1024: 355 against 300 for two;
+    replay, TFLOP/s). Head dims under 64: two consumers of 128 rows and 64-key tiles (hd40 4096:
+    280; 128-key tiles spill). Head dim 64: three of 64 rows, as FlashAttention-3 (hd64 1024: 355 against 300 for two;
     4096: 427 against 424). Above: two of 64 rows and 128-key tiles (hd80 4096: 453 against 263
     for three, which spill; hd160 1024: 548-557 against 508 for 64-key tiles), and 64-key tiles past
     160, whose 128-key stages would not fit in shared memory."""
@@ -174,6 +174,15 @@ if gluon is not None:
                        v_hi_smem.index(st))
 
     @gluon.jit
+    def _issue_s(q_op, q_hi_op, k_smem, k_hi_smem, s_zero, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
+                 D_HI: gl.constexpr):
+        """S = Q K^T over each head-dim part, one MMA group each; returns the last one's token."""
+        s_tok = warpgroup_mma(q_op, k_smem.reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if D_HI > 0:
+            s_tok = warpgroup_mma(q_hi_op, k_hi_smem.reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok, is_async=True)
+        return s_tok
+
+    @gluon.jit
     def _issue_pv(p_op, v_smem, v_hi_smem, ones_smem, acc, acc_hi, acc_l, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
                   D_HI: gl.constexpr, ROWSUM_MMA: gl.constexpr, p_hi_layout: gl.constexpr, p_l_layout: gl.constexpr):
         """O += P V over each head-dim part, and (ROWSUM_MMA) l += P times ones, its every column a
@@ -192,6 +201,17 @@ if gluon is not None:
             p_l_op = p_op
             l_tok = o_tok
         return o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op
+
+    @gluon.jit
+    def _wait_pv(o_tok, o_hi_tok, l_tok, p_op, p_hi_op, p_l_op, acc_hi, acc_l, D_HI: gl.constexpr,
+                 ROWSUM_MMA: gl.constexpr):
+        """_issue_pv's results. P's registers stay in deps: they must outlive the MMAs that read them."""
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        if D_HI > 0:
+            acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
+        if ROWSUM_MMA:
+            acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+        return acc, acc_hi, acc_l
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem,
@@ -243,11 +263,7 @@ if gluon is not None:
         mbarrier.wait(q_bars.index(WG), 0)
         mbarrier.wait(k_full.index(0), 0)
         mbarrier.wait(my_turn, 0)
-        s_tok = warpgroup_mma(q_op, k_smem.index(0).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        if SPLIT:
-            s_tok = warpgroup_mma(q_hi_op, k_hi_smem.index(0).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
-                                  is_async=True)
+        s_tok = _issue_s(q_op, q_hi_op, k_smem.index(0), k_hi_smem.index(0), s_zero, BLOCK_N, D_LO, D_HI)
         mbarrier.arrive(next_turn)
         scores = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(0))
@@ -268,11 +284,7 @@ if gluon is not None:
             prev = (j - 1) % STAGES
             mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
             mbarrier.wait(my_turn, j & 1)
-            s_tok = warpgroup_mma(q_op, k_smem.index(st).reshape([BLOCK_N, D_LO]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if SPLIT:
-                s_tok = warpgroup_mma(q_hi_op, k_hi_smem.index(st).reshape([BLOCK_N, D_HI]).permute((1, 0)), s_tok,
-                                      is_async=True)
+            s_tok = _issue_s(q_op, q_hi_op, k_smem.index(st), k_hi_smem.index(st), s_zero, BLOCK_N, D_LO, D_HI)
             mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
             o_tok, o_hi_tok, l_tok, p_hi_op, p_l_op = _issue_pv(p_op, v_smem.index(prev), v_hi_smem.index(prev),
                                                                 ones_smem, acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI,
@@ -290,12 +302,7 @@ if gluon is not None:
             if not ROWSUM_MMA:
                 l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            # P_{j-1} stays in deps: its registers must outlive the MMAs that read them.
-            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-            if SPLIT:
-                acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
-            if ROWSUM_MMA:
-                acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
+            acc, acc_hi, acc_l = _wait_pv(o_tok, o_hi_tok, l_tok, p_op, p_hi_op, p_l_op, acc_hi, acc_l, D_HI, ROWSUM_MMA)
             mbarrier.arrive(v_empty.index(prev))
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -312,13 +319,10 @@ if gluon is not None:
                                                             acc, acc_hi, acc_l, BLOCK_N, D_LO, D_HI, ROWSUM_MMA,
                                                             p_hi_layout, p_l_layout)
         mbarrier.arrive(next_turn)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        if SPLIT:
-            acc_hi, p_hi_op = warpgroup_mma_wait(0, deps=(o_hi_tok, p_hi_op))
-        if ROWSUM_MMA:
-            acc_l, p_l_op = warpgroup_mma_wait(0, deps=(l_tok, p_l_op))
-            l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
+        acc, acc_hi, acc_l = _wait_pv(o_tok, o_hi_tok, l_tok, p_op, p_hi_op, p_l_op, acc_hi, acc_l, D_HI, ROWSUM_MMA)
         mbarrier.arrive(v_empty.index(last))
+        if ROWSUM_MMA:
+            l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
 
         # Q's buffers take O: every MMA that read them is done.
         o_smem = q_smem.index(WG)
