@@ -152,11 +152,11 @@ if gluon is not None:
             _tma_load(desc, [b, h, row, 0], bar, smem)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                  q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D_LO: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
+    def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, SPLIT: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """One warp: every consumer's Q tile, then K and V tiles into the ring as its stages come free."""
+        (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
+         v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty) = args
         pid_bh = gl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
@@ -214,13 +214,14 @@ if gluon is not None:
         return acc, acc_hi, acc_l
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem,
-                  v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr, STAGES: gl.constexpr,
-                  STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr):
+    def _consumer(WG: gl.constexpr, args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
+                  D_HI: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
         """Warpgroup WG's BLOCK_M query rows. Per key tile j: in its turn, issue S_j = Q K_j^T and
         O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j, release K_j, compute P_j; wait for
         P V, release V_{j-1}, rescale O."""
+        (o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem, v_hi_smem, q_bars,
+         k_full, v_full, k_empty, v_empty, turns, ones_smem) = args
         SPLIT: gl.constexpr = D_HI > 0
         pid_bh = gl.program_id(1)
         b = pid_bh // o_desc.shape[1]
@@ -394,35 +395,26 @@ if gluon is not None:
             mbarrier.init(k_empty.index(s), count=CONSUMERS)  # one arrival from each consumer
             mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
-        # Each partition's arguments written out: a tuple bound to a name turns its constexprs
-        # into tensors. The producer's one warp takes a warpgroup's register slot, at 24 a thread.
+        # The partitions' runtime arguments as tuples; their constexprs written out in each entry (a
+        # tuple bound to a name turns constexprs into tensors). The producer's one warp takes a
+        # warpgroup's register slot, at 24 a thread.
+        consumer_args = (o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
+                         v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem)
+        producer_args = (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, N_K, q_smem, k_smem, v_smem,
+                         q_hi_smem, k_hi_smem, v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (0, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
-                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (1, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
-                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_producer, (k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem,
-                             v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M, BLOCK_N,
-                             D_LO, SPLIT, STAGES, CONSUMERS)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consumer, (0, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
-                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (1, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
-                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (2, o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, k_smem, v_smem, q_smem, k_hi_smem, v_hi_smem,
-                             q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, turns, ones_smem, BLOCK_M, BLOCK_N,
-                             D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_producer, (k_desc, v_desc, q_desc, k_hi_desc, v_hi_desc, q_hi_desc, k_smem, v_smem, q_smem, k_hi_smem,
-                             v_hi_smem, q_hi_smem, k_full, v_full, k_empty, v_empty, q_bars, H, N_K, BLOCK_M, BLOCK_N,
-                             D_LO, SPLIT, STAGES, CONSUMERS)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
