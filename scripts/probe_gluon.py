@@ -38,8 +38,12 @@ ODD = [(1, 2, 97, 97, 40, torch.float16, "bnhd"), (2, 3, 1025, 77, 40, torch.flo
 
 
 def check_odd(consumers: int) -> list[dict]:
+    """ODD's shapes against float64 with this many consumer warpgroups (three up to head dim 128:
+    above, three Q tiles and the K/V ring outgrow shared memory)."""
     rows = []
     for B, H, Nq, Nk, D, dtype, layout in ODD:
+        if consumers > 2 and D > 128:
+            continue
         def r(n):
             t = torch.randn(B, n, H, D, device="cuda", dtype=dtype)
             return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()

@@ -14,9 +14,9 @@ so a wrong result fails too. A config that needs more shared memory than the GPU
 
 launches the Gluon Hopper forward instead (sm_90): its head-dim splits (40 = 32 + 16, 80 = 64 + 16,
 160 = 128 + 32) at odd lengths, with two consumer warpgroups and three (head dim 64), through the JIT
-with and without the log-sum-exp, and where default
-calls take it, three times through ``flash_attn_fwd``: the JIT, the binary, then the native path's
-replay with its TMA descriptors encoded in C++.
+with and without the log-sum-exp, and where default calls take it, three times through
+``flash_attn_fwd``: the JIT, the binary, then the native path's replay with its TMA descriptors
+encoded in C++.
 """
 
 from __future__ import annotations
