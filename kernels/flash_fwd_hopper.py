@@ -235,6 +235,7 @@ if gluon is not None:
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D_LO, 16])
+        # Unsplit head dims (D_HI = 0) keep an 8-wide stand-in for the second part, never computed.
         o_hi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, max(D_HI, 8), 16])
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
