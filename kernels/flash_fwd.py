@@ -614,10 +614,10 @@ def _hopper_fwd(q, k, v, scale: float, return_lse: bool, options: tuple) -> tupl
                        lambda: _Plan({}))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    grid, args, consts = flash_fwd_hopper.launch_args(q, k, v, out, lse, scale)
     record = _native_fwd.recording(plan, q)
     with on_device(q):
-        launch(flash_fwd_hopper._attn_fwd_hopper, grid, args, consts, plan.binaries, "gluon", record)
+        for i, (kernel, grid, args, consts) in enumerate(flash_fwd_hopper.launches(q, k, v, out, lse, scale)):
+            launch(kernel, grid, args, consts, plan.binaries, ("gluon", i), record)
     _native_fwd.register(plan, record, (q, k, v, None), options, (out, lse))
     return out, lse
 

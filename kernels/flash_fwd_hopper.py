@@ -20,6 +20,10 @@ not divide the keys; v13). A head dim that is not a power of two runs as two pow
 with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
 :func:`split_head_dim`).
 
+A program holds an SM, so the grid runs in waves of query tiles; where the last wave would leave most
+SMs idle, its tiles are split along the keys into pieces that fill it, and a small Triton kernel
+merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`; v15).
+
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
 :func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
 under ``TRITON_INTERPRET``: CI compiles this one for sm_90, and the GPU checks run it against float64.
@@ -33,6 +37,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 try:  # Gluon's Hopper API: triton 3.5 and later
     from triton.experimental import gluon
@@ -55,6 +60,8 @@ log = logging.getLogger(__name__)
 # wave of the H200's 132 SMs leaves SMs idle where the Triton kernel's smaller tiles fill them.
 MIN_KEYS = 256
 MIN_PROGRAMS = 128
+MIN_PIECE_TILES = 4  # key tiles a piece of a split query tile takes at least (tail_split)
+COMBINE_ROWS = 32  # rows a program of _combine_pieces merges
 ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
 
@@ -90,6 +97,65 @@ def consumer_regs(consumers: int) -> int:
     """Registers a consumer thread gets (``setmaxnreg``): an SM's 64K over 128-thread warpgroups,
     the producer's one warp holding a warpgroup's slot at 24 (240 for two consumers, 160 for three)."""
     return (65536 // 128 - 24) // consumers // 8 * 8
+
+
+def tail_split(tiles: int, sms: int, key_tiles: int) -> tuple[int, int]:
+    """(whole, splits): the grid's first ``whole`` query tiles each take all their keys in one
+    program; every later tile takes ``splits`` programs, each a share of its key tiles, and
+    :func:`_combine_pieces` merges their results.
+
+    A program holds an SM (its warpgroups take the register file), so the grid runs in waves of
+    ``sms`` tiles, and a last wave of a few tiles leaves the other SMs idle for a whole tile's time:
+    hd64 at 4096 tokens (B 2, H 10) is 440 tiles of 192 rows, three waves and 44 (v15). Split in
+    three, those 44 tiles are 132 programs of a third of a tile's time. Nothing is split under one
+    wave, where the last wave is over half full, or into pieces of under :data:`MIN_PIECE_TILES`."""
+    if sms <= 0 or tiles < sms or tiles % sms == 0:
+        return tiles, 1
+    rem = tiles % sms
+    splits = min(sms // rem, key_tiles // MIN_PIECE_TILES)
+    return (tiles - rem, splits) if splits >= 2 else (tiles, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.jit
+def _combine_pieces(
+    Part_O, Part_L, Out, Lse,
+    stride_ob, stride_oh, stride_om,
+    H, N_Q, M_TILES, N_FULL, SPLITS,
+    TILE_M: tl.constexpr, DW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """BLOCK_R rows of split tile N_FULL + program_id(0) from its SPLITS pieces (Part_O: each
+    piece's TILE_M x DW rows, normalized over its keys, in fp32; Part_L: their base-2 log-sum-exps):
+    O = sum_s 2^(lse_s - lse) O_s, lse = log2(sum_s 2^lse_s)."""
+    u = tl.program_id(0)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    first = u * SPLITS  # the tile's first piece
+    lse_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(Part_L + (first + s) * TILE_M + offs_r))
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in range(SPLITS):
+        rows = (first + s) * TILE_M + offs_r
+        w = tl.exp2(tl.load(Part_L + rows) - lse_max)
+        part = tl.load(Part_O + rows[:, None] * DW + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        total += w
+        acc += w[:, None] * part
+    tile = N_FULL + u
+    bh = tile // M_TILES
+    offs_m = tile % M_TILES * TILE_M + offs_r
+    keep = offs_m < N_Q
+    out = Out + (bh // H).to(tl.int64) * stride_ob + (bh % H).to(tl.int64) * stride_oh
+    tl.store(out + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :], (acc / total[:, None]).to(Out.dtype.element_ty),
+             mask=keep[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if STORE_LSE:
+        tl.store(Lse + bh.to(tl.int64) * N_Q + offs_m, lse_max + tl.log2(total), mask=keep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,25 +218,46 @@ if gluon is not None:
             _tma_load(desc, [b, h, row, 0], bar, smem)
 
     @gluon.jit
+    def _work(work, BLOCK_N: gl.constexpr, TAIL: gl.constexpr):
+        """This program's work: (batch x head, query tile, first key tile, key tiles past its last,
+        piece). Programs under N_FULL take a whole query tile's keys (piece < 0); with TAIL, each
+        later one a piece of a tile's key tiles, SPLITS pieces a tile (:func:`tail_split`)."""
+        N_K, M_TILES, N_FULL, SPLITS = work
+        pid = gl.program_id(0)
+        tile = pid
+        piece = pid - N_FULL
+        key_tiles = gl.cdiv(N_K, BLOCK_N)
+        j0 = 0
+        j1 = key_tiles
+        if TAIL:  # branchless: programs under N_FULL take piece 0 of 1
+            is_piece = (piece >= 0).to(gl.int32)
+            own = piece * is_piece
+            tile = pid + is_piece * (N_FULL + own // SPLITS - pid)
+            splits = 1 + is_piece * (SPLITS - 1)
+            j0 = own % SPLITS * key_tiles // splits
+            j1 = (own % SPLITS + 1) * key_tiles // splits
+        return tile // M_TILES, tile % M_TILES, j0, j1, piece
+
+    @gluon.jit
     def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, SPLIT: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, TAIL: gl.constexpr):
         """One warp: every consumer's Q tile, then K and V tiles into the ring as its stages come free."""
-        (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
+        (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, work, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
          v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty) = args
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
+        bh, m, j0, j1, _ = _work(work, BLOCK_N, TAIL)
+        b = bh // H
+        h = bh % H
         for w in gl.static_range(CONSUMERS):
-            _load_tile(q_desc, q_hi_desc, b, h, (gl.program_id(0) * CONSUMERS + w) * BLOCK_M, D_LO, SPLIT, q_bars.index(w),
+            _load_tile(q_desc, q_hi_desc, b, h, (m * CONSUMERS + w) * BLOCK_M, D_LO, SPLIT, q_bars.index(w),
                        q_smem.index(w), q_hi_smem.index(w))
-        for j in range(gl.cdiv(N_K, BLOCK_N)):
-            st = j % STAGES
-            free = ((j // STAGES) & 1) ^ 1  # a fresh barrier's phase before its first counts as complete
+        for i in range(j1 - j0):
+            st = i % STAGES
+            free = ((i // STAGES) & 1) ^ 1  # a fresh barrier's phase before its first counts as complete
             mbarrier.wait(k_empty.index(st), free)
-            _load_tile(k_desc, k_hi_desc, b, h, j * BLOCK_N, D_LO, SPLIT, k_full.index(st), k_smem.index(st),
+            _load_tile(k_desc, k_hi_desc, b, h, (j0 + i) * BLOCK_N, D_LO, SPLIT, k_full.index(st), k_smem.index(st),
                        k_hi_smem.index(st))
             mbarrier.wait(v_empty.index(st), free)
-            _load_tile(v_desc, v_hi_desc, b, h, j * BLOCK_N, D_LO, SPLIT, v_full.index(st), v_smem.index(st),
+            _load_tile(v_desc, v_hi_desc, b, h, (j0 + i) * BLOCK_N, D_LO, SPLIT, v_full.index(st), v_smem.index(st),
                        v_hi_smem.index(st))
 
     @gluon.jit
@@ -216,18 +303,19 @@ if gluon is not None:
     @gluon.jit
     def _consumer(WG: gl.constexpr, args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
                   D_HI: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
-        """Warpgroup WG's BLOCK_M query rows. Per key tile j: in its turn, issue S_j = Q K_j^T and
-        O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j, release K_j, compute P_j; wait for
-        P V, release V_{j-1}, rescale O."""
-        (o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem, v_hi_smem, q_bars,
-         k_full, v_full, k_empty, v_empty, turns, ones_smem) = args
+                  CONSUMERS: gl.constexpr, TAIL: gl.constexpr):
+        """Warpgroup WG's BLOCK_M query rows over the program's key tiles. Per key tile j: in its
+        turn, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j,
+        release K_j, compute P_j; wait for P V, release V_{j-1}, rescale O."""
+        (o_desc, o_hi_desc, Lse, Part_O, Part_L, qk_scale, N_Q, work, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
+         v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem) = args
         SPLIT: gl.constexpr = D_HI > 0
-        pid_bh = gl.program_id(1)
+        N_K = work[0]
+        pid_bh, m, j0, j1, piece = _work(work, BLOCK_N, TAIL)
         b = pid_bh // o_desc.shape[1]
         h = pid_bh % o_desc.shape[1]
-        off_m = (gl.program_id(0) * CONSUMERS + WG) * BLOCK_M
-        n_tiles = gl.cdiv(N_K, BLOCK_N)
+        off_m = (m * CONSUMERS + WG) * BLOCK_M
+        n_tiles = j1 - j0
         dtype: gl.constexpr = o_desc.dtype
 
         # S's, O's and l's MMA layouts differ only in N; P feeds the P V MMAs from registers.
@@ -269,8 +357,8 @@ if gluon is not None:
         mbarrier.arrive(next_turn)
         scores = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(0))
-        if BLOCK_N > N_K:
-            scores = _scores_tail(scores, 0, N_K, BLOCK_N, s_layout)
+        if (j0 + 1) * BLOCK_N > N_K:
+            scores = _scores_tail(scores, j0 * BLOCK_N, N_K, BLOCK_N, s_layout)
         # The scale goes inside exp2 (one FMA an element): qk_scale = softmax scale / ln 2.
         m_i = gl.max(scores, axis=1) * qk_scale
         p = gl.exp2(scores * qk_scale - m_i[:, None])
@@ -297,7 +385,7 @@ if gluon is not None:
             # No branch in the loop (a branch had ptxas wait for P V before the softmax; v13): key
             # lengths that tiles do not divide mask every tile.
             if not EVEN_N:
-                scores = _scores_tail(scores, j * BLOCK_N, N_K, BLOCK_N, s_layout)
+                scores = _scores_tail(scores, (j0 + j) * BLOCK_N, N_K, BLOCK_N, s_layout)
             m_new = gl.maximum(m_i, gl.max(scores, axis=1) * qk_scale)
             alpha = gl.exp2(m_i - m_new)
             p = gl.exp2(scores * qk_scale - m_new[:, None])
@@ -326,33 +414,66 @@ if gluon is not None:
         if ROWSUM_MMA:
             l_i = gl.max(acc_l, axis=1)  # all 8 columns hold it
 
-        # Q's buffers take O: every MMA that read them is done.
-        o_smem = q_smem.index(WG)
-        o_smem.reshape([BLOCK_M, D_LO]).store((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(dtype))
-        if SPLIT:
-            q_hi_smem.index(WG).reshape([BLOCK_M, D_HI]).store(
-                (acc_hi / gl.convert_layout(l_i, gl.SliceLayout(1, o_hi_layout))[:, None]).to(dtype))
+        out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        out_hi = acc_hi / gl.convert_layout(l_i, gl.SliceLayout(1, o_hi_layout))[:, None]
+        lse = m_i + gl.log2(gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)))  # base 2, of the scaled scores
+        if TAIL:
+            if piece >= 0:
+                _store_piece(out, out_hi, lse, Part_O, Part_L, piece * CONSUMERS + WG, BLOCK_M, D_LO, D_HI, s_layout)
+            else:
+                _store_out(out, out_hi, lse, o_desc, o_hi_desc, Lse, q_smem.index(WG), q_hi_smem.index(WG), b, h,
+                           pid_bh, off_m, N_Q, BLOCK_M, D_LO, D_HI, STORE_LSE, s_layout)
+        else:
+            _store_out(out, out_hi, lse, o_desc, o_hi_desc, Lse, q_smem.index(WG), q_hi_smem.index(WG), b, h, pid_bh,
+                       off_m, N_Q, BLOCK_M, D_LO, D_HI, STORE_LSE, s_layout)
+
+    @gluon.jit
+    def _store_out(out, out_hi, lse, o_desc, o_hi_desc, Lse, o_smem, o_hi_smem, b, h, pid_bh, off_m, N_Q,
+                   BLOCK_M: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr, STORE_LSE: gl.constexpr,
+                   s_layout: gl.constexpr):
+        """A whole tile's epilogue: O through TMA from the consumer's Q buffers (every MMA that read
+        them is done), and the log-sum-exp, as the Triton kernel stores it."""
+        o_smem.reshape([BLOCK_M, D_LO]).store(out.to(o_desc.dtype))
+        if D_HI > 0:
+            o_hi_smem.reshape([BLOCK_M, D_HI]).store(out_hi.to(o_desc.dtype))
         fence_async_shared()
         _tma_store(o_desc, [b, h, off_m, 0], o_smem)
-        if SPLIT:  # columns past the head dim are not written
-            _tma_store(o_hi_desc, [b, h, off_m, D_LO], q_hi_smem.index(WG))
-        if STORE_LSE:  # base-2 log-sum-exp of the scaled scores, as the Triton kernel stores it
+        if D_HI > 0:  # columns past the head dim are not written
+            _tma_store(o_hi_desc, [b, h, off_m, D_LO], o_hi_smem)
+        if STORE_LSE:
             offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            lse = m_i + gl.log2(gl.convert_layout(l_i, gl.SliceLayout(1, s_layout)))
             gl.store(Lse + pid_bh.to(gl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _store_piece(out, out_hi, lse, Part_O, Part_L, block, BLOCK_M: gl.constexpr, D_LO: gl.constexpr,
+                     D_HI: gl.constexpr, s_layout: gl.constexpr):
+        """A piece's epilogue: its rows of O, normalized over its keys, in fp32, and their
+        log-sum-exp, as block ``block`` of BLOCK_M rows of the workspace :func:`_combine_pieces` reads."""
+        DW: gl.constexpr = D_LO + D_HI
+        o_layout: gl.constexpr = out.type.layout
+        rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, D_LO, layout=gl.SliceLayout(0, o_layout))
+        gl.store(Part_O + rows[:, None] * DW + cols[None, :], out)
+        if D_HI > 0:
+            o_hi_layout: gl.constexpr = out_hi.type.layout
+            rows_hi = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_hi_layout))
+            cols_hi = D_LO + gl.arange(0, D_HI, layout=gl.SliceLayout(0, o_hi_layout))
+            gl.store(Part_O + rows_hi[:, None] * DW + cols_hi[None, :], out_hi)
+        gl.store(Part_L + block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)), lse)
+
+    @gluon.jit
     def _attn_fwd_hopper(
-        q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse,
-        qk_scale, H, N_Q, N_K,
+        q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse, Part_O, Part_L,
+        qk_scale, H, N_Q, N_K, M_TILES, N_FULL, SPLITS,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, STORE_LSE: gl.constexpr,
-        EVEN_N: gl.constexpr, num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr,
     ):
         # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
         # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
-        # are None. A program: CONSUMERS query tiles of BLOCK_M rows over one (batch, head).
+        # are None. A query tile: CONSUMERS x BLOCK_M rows of one (batch, head), M_TILES a head;
+        # a program takes a tile's keys, or with TAIL a piece of them (_work, :func:`tail_split`).
         SPLIT: gl.constexpr = D_HI > 0
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -375,6 +496,9 @@ if gluon is not None:
             o_hi_desc = o_desc
         if not STORE_LSE:
             Lse = qk_scale
+        if not TAIL:
+            Part_O = qk_scale
+            Part_L = qk_scale
         # Ones for the row sums' MMA, K-major as K is (the MMAs read them transposed).
         ones_smem = gl.allocate_shared_memory(
             dtype, [8, BLOCK_N], gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BLOCK_N, 128), element_bitwidth=16,
@@ -399,23 +523,29 @@ if gluon is not None:
         # The partitions' runtime arguments as tuples; their constexprs written out in each entry (a
         # tuple bound to a name turns constexprs into tensors). The producer's one warp takes a
         # warpgroup's register slot, at 24 a thread.
-        consumer_args = (o_desc, o_hi_desc, Lse, qk_scale, N_Q, N_K, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
-                         v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem)
-        producer_args = (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, N_K, q_smem, k_smem, v_smem,
+        work = (N_K, M_TILES, N_FULL, SPLITS)
+        consumer_args = (o_desc, o_hi_desc, Lse, Part_O, Part_L, qk_scale, N_Q, work, q_smem, k_smem, v_smem, q_hi_smem,
+                         k_hi_smem, v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem)
+        producer_args = (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, work, q_smem, k_smem, v_smem,
                          q_hi_smem, k_hi_smem, v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
+                             TAIL)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
+                             TAIL)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS)),
-                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
+                             TAIL)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
+                             TAIL)),
+                (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
+                             TAIL)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -439,29 +569,51 @@ def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
     return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
 
 
-def launch_args(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] | None = None) -> tuple[tuple, tuple, dict]:
-    """A launch's grid, runtime arguments and constexprs (``config`` as :func:`hopper_attn_fwd`'s);
-    :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
+def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] | None = None,
+             sms: int | None = None) -> list[tuple]:
+    """The forward's launches, each ``(kernel, grid, runtime arguments, constexprs)``: the Gluon
+    kernel, then, where :func:`tail_split` splits the grid's last wave, :func:`_combine_pieces` over
+    the pieces' workspace, allocated here (fp32, at most ``sms`` programs' rows). ``config`` as
+    :func:`hopper_attn_fwd`'s; ``sms``: the SMs the last wave is balanced over (None: the device's;
+    0: no split). :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
     B, H, Nq, D = q.shape
+    Nk = k.shape[2]
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
     d_lo, d_hi = split_head_dim(D)
     block_m, block_n, stages, consumers = config or config_for(D)
     assert block_m % 64 == 0 and consumers in (2, 3), f"BLOCK_M={block_m}, {consumers} consumers: 64-row MMAs, 2 or 3 warpgroups"
-    args = (*descriptors(q, k, v, out, block_m, block_n), lse, scale * 1.44269504, H, Nq, k.shape[2])  # 1/ln 2
+    tile_m = consumers * block_m
+    m_tiles = triton.cdiv(Nq, tile_m)
+    tiles = m_tiles * B * H
+    whole, splits = tail_split(tiles, _sm_count(q.get_device()) if sms is None else sms, triton.cdiv(Nk, block_n))
+    pieces = (tiles - whole) * splits
+    part_o = part_l = None
+    if pieces:
+        part_o = torch.empty(pieces, tile_m, d_lo + d_hi, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(pieces, tile_m, device=q.device, dtype=torch.float32)
+    args = (*descriptors(q, k, v, out, block_m, block_n), lse, part_o, part_l, scale * 1.44269504,  # 1/ln 2
+            H, Nq, Nk, m_tiles, whole, splits)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, CONSUMERS=consumers,
-                  CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=k.shape[2] % block_n == 0,
-                  num_warps=4)
-    return (triton.cdiv(Nq, consumers * block_m), B * H, 1), args, consts
+                  CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=Nk % block_n == 0,
+                  TAIL=pieces > 0, num_warps=4)
+    runs = [(_attn_fwd_hopper, (whole + pieces, 1, 1), args, consts)]
+    if pieces:
+        combine_args = (part_o, part_l, out, lse, *out.stride()[:3], H, Nq, m_tiles, whole, splits)
+        combine_consts = dict(TILE_M=tile_m, DW=d_lo + d_hi, HEAD_DIM=D, BLOCK_R=COMBINE_ROWS,
+                              BLOCK_D=triton.next_power_of_2(D), STORE_LSE=lse is not None, num_warps=4)
+        runs.append((_combine_pieces, (tiles - whole, tile_m // COMBINE_ROWS, 1), combine_args, combine_consts))
+    return runs
 
 
 def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, return_lse: bool = False,
-                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    config: tuple[int, int, int, int] | None = None,
+                    sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward on the Gluon kernel, launched through the JIT; arguments and results as
     :func:`flash_fwd.flash_attn_fwd`'s (no mask). ``config``: (BLOCK_M, BLOCK_N, STAGES,
-    CONSUMERS), else :func:`config_for`'s."""
+    CONSUMERS), else :func:`config_for`'s; ``sms`` as :func:`launches`'."""
     assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    grid, args, consts = launch_args(q, k, v, out, lse, scale, config)
-    _attn_fwd_hopper[grid](*args, **consts)
+    for kernel, grid, args, consts in launches(q, k, v, out, lse, scale, config, sms):
+        kernel[grid](*args, **consts)
     return out, lse

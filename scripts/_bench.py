@@ -91,6 +91,18 @@ def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
     return row
 
 
+def split_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
+    """SMs for the Gluon kernel's ``sms`` that leave one query tile of this grid for a last wave,
+    split into pieces (``tail_split``); 0 where none would be split. ``config`` as ``config_for``'s."""
+    import triton
+
+    from sdpatch.kernels.flash_fwd_hopper import tail_split
+
+    block_m, block_n, _, consumers = config
+    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
+    return tiles - 1 if tiles > 2 and tail_split(tiles, tiles - 1, triton.cdiv(Nk, block_n))[1] > 1 else 0
+
+
 def probe_inputs(c: Case, device: str = "cuda"):
     """A forward probe's case: q, k, v, the scale, the FLOP count, and ``error_of(out)``, a result's
     relative error against float64 on 512 rows of one head."""

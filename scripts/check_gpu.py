@@ -24,7 +24,7 @@ from sdpatch import attention
 from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper, native
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask, peak_over
+from _bench import make_mask, peak_over, split_sms
 
 RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 failures: list[str] = []
@@ -120,12 +120,20 @@ def check_gluon(q, k, v, ref, name) -> None:
     backward takes it), whether or not default calls go to it at this shape."""
     scale = q.shape[-1] ** -0.5
     out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True)
-    _, lse_triton = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
+    out_triton, lse_triton = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
     e = rel(out[:1, :2], ref)
     e_lse = (lse - lse_triton).abs().max().item()
     served = flash_fwd_hopper.serves(q, k, v, None)
     report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
            f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, default calls {'served' if served else 'not served'}")
+    sms = split_sms(*q.shape[:3], k.shape[2], flash_fwd_hopper.config_for(q.shape[-1]))
+    if sms:  # the grid's last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split): that
+        # tile is the last head's, so the whole output is checked, against the Triton kernel's
+        out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True, sms=sms)
+        e = rel(out, out_triton.double())
+        e_lse = (lse - lse_triton).abs().max().item()
+        report(f"gluon split over {sms} SMs {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
+               f"rel err vs Triton's {e:.2e}, lse vs Triton's max diff {e_lse:.1e}")
 
 
 def check_native(q, k, v, m, do, name) -> None:

@@ -14,7 +14,8 @@ so a wrong result fails too. A config that needs more shared memory than the GPU
 
 launches the Gluon Hopper forward instead (sm_90): its head-dim splits (40 = 32 + 16, 80 = 64 + 16,
 160 = 128 + 32) at odd lengths, with two consumer warpgroups and three (head dim 64), through the JIT
-with and without the log-sum-exp, and where default calls take it, three times through
+with and without the log-sum-exp, with the grid's last tile split into pieces and combined (as the
+launcher splits a short last wave), and where default calls take it, three times through
 ``flash_attn_fwd``: the JIT, the binary, then the native path's replay with its TMA descriptors
 encoded in C++.
 """
@@ -33,7 +34,7 @@ from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, 
 from sdpatch.kernels.flash_fwd import _prune as fwd_prune
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask
+from _bench import make_mask, split_sms
 
 SHAPES = [  # B, H, Nq, Nk, D, mask, layout
     (1, 2, 97, 97, 40, None, "bnhd"),
@@ -53,6 +54,8 @@ SHAPES = [  # B, H, Nq, Nk, D, mask, layout
 GLUON_SHAPES = [  # B, H, Nq, Nk, D; from (8, 16, 256, 256, 64) on, default calls take the Gluon kernel
     (1, 2, 97, 97, 40), (2, 1, 1025, 77, 40), (1, 1, 1, 1, 16), (2, 2, 1, 5, 80), (1, 2, 130, 129, 128),
     (1, 2, 300, 257, 64), (2, 1, 200, 256, 256), (8, 16, 256, 256, 64), (4, 16, 300, 257, 160), (2, 8, 4096, 4096, 40),
+    (2, 10, 4096, 4096, 64),  # on an H200, default calls split the grid's last wave (tail_split)
+    (1, 3, 700, 1500, 160), (2, 3, 1000, 2000, 64),
 ]
 
 
@@ -103,22 +106,27 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
 
 
 def gluon() -> int:
-    """The Gluon forward's launches (see the module's docstring), each checked on a head's first 256
-    rows against float64; returns the number of wrong results."""
+    """The Gluon forward's launches (see the module's docstring), each checked on the first head's
+    first 256 rows and the last head's last 256 (where a split last tile is) against float64, also
+    with the last tile split (as on a GPU of one SM fewer than tiles); returns the number of wrong
+    results."""
     torch.manual_seed(0)
     assert native.wait(), "the native module did not build"
     bad = launches = 0
     for B, H, Nq, Nk, D in GLUON_SHAPES:
         q, k, v = (tensor(B, H, n, D, "bnhd", "cuda") for n in (Nq, Nk, Nk))
-        ref = attention_ref(q[:1, :1, :256], k[:1, :1], v[:1, :1])
+        refs = [attention_ref(q[:1, :1, :256], k[:1, :1], v[:1, :1]), attention_ref(q[-1:, -1:, -256:], k[-1:, -1:], v[-1:, -1:])]
         calls = [(f"jit lse={lse}", lambda lse=lse: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, return_lse=lse)[0])
                  for lse in (False, True)]
+        sms = split_sms(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))
+        if sms:
+            calls.append((f"split over {sms} SMs", lambda: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0]))
         if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, the binary, the native replay
             calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2, 3)]
         for name, fn in calls:
-            out = fn()[:1, :1, :256]
+            out = fn()
             launches += 1
-            err = ((out.double() - ref).norm() / ref.norm()).item()
+            err = max(((o.double() - ref).norm() / ref.norm()).item() for o, ref in zip((out[:1, :1, :256], out[-1:, -1:, -256:]), refs))
             if not err <= 1e-2:
                 bad += 1
                 print(f"WRONG gluon {B, H, Nq, Nk, D} {name}: {err:.2e}", flush=True)

@@ -4,6 +4,7 @@ Gluon kernels do not run under the interpreter; scripts/check_gpu.py runs this o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from sdpatch.kernels import flash_fwd_hopper as fh
+from sdpatch.reference import attention_ref
 
 
 def qkv(dtype=torch.float16, D=40, layout="bnhd", Nq=64, Nk=64):
@@ -112,32 +114,39 @@ class Sm90:
     def get_current_stream(self, device=None): return 0
     def get_active_torch_device(self): return torch.device("cpu")
 
-D, lse, n, dtype = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), getattr(torch, sys.argv[4])
+D, lse, n, dtype, sms = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), getattr(torch, sys.argv[4]), int(sys.argv[5])
 q = torch.empty(2, n, 3, D, dtype=dtype).transpose(1, 2)
 triton.runtime.driver.set_active(Sm90())
-grid, args, consts = fh.launch_args(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]) if lse else None, 0.2)
-k = fh._attn_fwd_hopper.warmup(*args, **consts, grid=grid)
-print(json.dumps({"ptx": k.asm["ptx"], "num_warps": k.metadata.num_warps}))
+runs = fh.launches(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]) if lse else None, 0.2, sms=sms)
+built = [kernel.warmup(*args, **consts, grid=grid) for kernel, grid, args, consts in runs]
+print(json.dumps({"ptx": [k.asm["ptx"] for k in built], "num_warps": built[0].metadata.num_warps,
+                  "tail": runs[0][3]["TAIL"]}))
 """
 
-# (head dim, log-sum-exp stored, keys, dtype): split and unsplit head dims, two and three consumers.
-COMPILED = [(40, True, 256, "float16"), (40, False, 250, "bfloat16"), (64, False, 256, "float16"), (80, False, 256, "float16"),
-            (128, True, 250, "float16"), (160, False, 256, "float16")]
+# (head dim, log-sum-exp stored, tokens, dtype, SMs to balance over): split and unsplit head dims,
+# two and three consumers; with SMs, a grid whose last wave is split (36 query tiles over 5 SMs at
+# D64, 24 over 10 at D40, 48 over 11 at D80: 1, 4 and 4 tiles in pieces).
+COMPILED = [(40, True, 256, "float16", 0), (40, False, 250, "bfloat16", 0), (64, False, 256, "float16", 0),
+            (80, False, 256, "float16", 0), (128, True, 250, "float16", 0), (160, False, 256, "float16", 0),
+            (64, False, 1024, "float16", 5), (40, True, 1000, "bfloat16", 10), (80, True, 1000, "float16", 11)]
 
 
 @pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("D,lse,n,dtype", COMPILED, ids=[f"D{d}-N{n}-{t}{'-lse' if lse else ''}" for d, lse, n, t in COMPILED])
-def test_compiles_for_sm90(D, lse, n, dtype):
+@pytest.mark.parametrize("D,lse,n,dtype,sms", COMPILED,
+                         ids=[f"D{d}-N{n}-{t}{'-lse' if lse else ''}{f'-sms{m}' if m else ''}" for d, lse, n, t, m in COMPILED])
+def test_compiles_for_sm90(D, lse, n, dtype, sms):
     """The kernel builds to an sm_90 binary, warp-specialized, with its asynchronous MMAs, TMA copies
     and barrier handoffs, on whatever triton CI installs: Gluon's API moves between releases (3.7
     renamed the TMA copies). S_j is waited for alone, with P V's MMA groups (one a head-dim part)
-    and, in fp16, the row sums' still in flight."""
+    and, in fp16, the row sums' still in flight. A split last wave adds the pieces' stores and
+    the combine kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n), dtype], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n), dtype, str(sms)], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
-    ptx = built["ptx"]
+    ptx, *combine = built["ptx"]
+    assert built["tail"] is bool(sms) and len(combine) == int(bool(sms))
     parts = 2 if fh.split_head_dim(D)[1] else 1
     consumers = fh.config_for(D)[3]
     assert built["num_warps"] == 4 * consumers + 4  # the producer's warp holds a warpgroup's slot
@@ -147,19 +156,19 @@ def test_compiles_for_sm90(D, lse, n, dtype):
     assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts + rowsum_mma};" in ptx
     assert ("m64n8k16" in ptx) is rowsum_mma
     assert "cp.async.bulk.tensor.4d" in ptx and "mbarrier.arrive" in ptx
-    assert ("st.global" in ptx) is lse
+    assert ("st.global" in ptx) is (lse or bool(sms))
+    assert all("ex2.approx" in c and "st.global" in c for c in combine)
 
 
 def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch, caplog):
     """A Gluon launch that raises (say, an API this triton changed) costs one warning, not the call."""
     from sdpatch.kernels.flash_fwd import flash_attn_fwd
-    from sdpatch.reference import attention_ref
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such Gluon op")
 
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: not fh._failed)
-    monkeypatch.setattr(fh, "launch_args", broken)
+    monkeypatch.setattr(fh, "launches", broken)
     monkeypatch.setattr(fh, "_failed", [])
     q, k, v = qkv(torch.float32, D=16, Nq=33, Nk=17)
     for _ in range(2):
@@ -168,3 +177,68 @@ def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
     assert fh._failed == ["RuntimeError: no such Gluon op"]
     assert sum("Gluon Hopper kernel failed" in r.message for r in caplog.records) == 1
+
+
+TAIL_SPLITS = [  # (tiles, SMs, key tiles, (whole, splits))
+    (440, 132, 32, (396, 3)),  # hd64 4096, B2 H10: 3 waves and 44 tiles, those in thirds
+    (256, 132, 64, (256, 1)),  # hd40 4096, B2 H8: a last wave of 124 tiles
+    (4096, 132, 1024, (4092, 33)),  # hd40 65536: 31 waves and 4 tiles
+    (576, 132, 144, (528, 2)),  # hd40 9216 (768 x 768): 4 waves and 48
+    (128, 132, 16, (128, 1)),  # under one wave
+    (264, 132, 32, (264, 1)),  # whole waves
+    (440, 132, 7, (440, 1)),  # pieces of under MIN_PIECE_TILES key tiles
+    (440, 0, 32, (440, 1)),  # no balancing asked
+]
+
+
+@pytest.mark.parametrize("tiles,sms,key_tiles,split", TAIL_SPLITS, ids=[f"T{t}-S{s}-K{k}" for t, s, k, _ in TAIL_SPLITS])
+def test_tail_split(tiles, sms, key_tiles, split):
+    assert fh.tail_split(tiles, sms, key_tiles) == split
+
+
+# (B, H, Nq, Nk, D, dtype, SMs): grids whose last wave is split, tiles of 256 (D40), 192 (D64) and
+# 128 rows (D80, D160), rows and keys that tiles do not divide.
+COMBINED = [(2, 1, 300, 1000, 40, torch.float16, 3), (1, 2, 500, 1100, 64, torch.float16, 4),
+            (1, 3, 257, 2048, 80, torch.bfloat16, 4), (1, 1, 300, 1024, 160, torch.bfloat16, 2)]
+COMBINE_RTOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # the output's rounding: the pieces are fp32
+COMBINE_LSE_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,sms", COMBINED,
+                         ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}-{str(t)[6:]}-sms{m}" for b, h, nq, nk, d, t, m in COMBINED])
+def test_combine_pieces(B, H, Nq, Nk, D, dtype, sms):
+    """The split tiles' rows, merged by the combine launch that :func:`launches` builds from pieces
+    as the Gluon kernel leaves them (each over its share of the key tiles, normalized, in fp32, with
+    its base-2 log-sum-exp), match float64 attention; nothing else is written, and neither the
+    workspace's rows past the queries nor its columns past the head dim reach the output."""
+    q, k, v = (torch.randn(B, H, n, D, dtype=dtype) for n in (Nq, Nk, Nk))
+    scale = D**-0.5
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"))
+    runs = fh.launches(q, k, v, out, lse, scale, sms=sms)
+    assert len(runs) == 2 and runs[0][3]["TAIL"]
+    kernel, grid, args, consts = runs[1]
+    part_o, part_l, *_, m_tiles, whole, splits = args
+    tile_m, block_n = consts["TILE_M"], fh.config_for(D)[1]
+    key_tiles = -(-Nk // block_n)
+    assert splits >= 2 and part_o.shape[0] == (m_tiles * B * H - whole) * splits
+    part_o.fill_(float("nan"))
+    part_l.fill_(float("nan"))
+    split_rows = torch.zeros(B, H, Nq, dtype=torch.bool)
+    for piece in range(part_o.shape[0]):
+        tile, s = whole + piece // splits, piece % splits
+        b, h = divmod(tile // m_tiles, H)
+        rows = slice(tile % m_tiles * tile_m, min((tile % m_tiles + 1) * tile_m, Nq))
+        keys = slice(s * key_tiles // splits * block_n, min((s + 1) * key_tiles // splits * block_n, Nk))
+        scores = q[b, h, rows].double() @ k[b, h, keys].double().T * scale
+        n = scores.shape[0]
+        part_l[piece, :n] = torch.logsumexp(scores, -1) / math.log(2)
+        part_o[piece, :n, :D] = torch.softmax(scores, -1) @ v[b, h, keys].double()
+        split_rows[b, h, rows] = True
+    kernel[grid](*args, **consts)
+    ref = attention_ref(q, k, v, scale=scale)
+    lse_ref = torch.logsumexp(q.double() @ k.double().transpose(-1, -2) * scale, -1) / math.log(2)
+    got, want = out[split_rows].double(), ref[split_rows]
+    assert ((got - want).norm() / want.norm()).item() < COMBINE_RTOL[dtype]
+    assert (lse[split_rows].double() - lse_ref[split_rows]).abs().max().item() < COMBINE_LSE_ATOL
+    assert out[~split_rows].isnan().all() and lse[~split_rows].isnan().all()
