@@ -131,7 +131,8 @@ def _combine_pieces(
 ):
     """BLOCK_R rows of split tile N_FULL + program_id(0) from its SPLITS pieces (Part_O: each
     piece's TILE_M x DW rows, normalized over its keys, in fp32; Part_L: their base-2 log-sum-exps):
-    O = sum_s 2^(lse_s - lse) O_s, lse = log2(sum_s 2^lse_s)."""
+    O = sum_s 2^(lse_s - lse) O_s, lse = log2(sum_s 2^lse_s). Out's last dim is contiguous, as
+    TMA has it for the Gluon kernel's."""
     u = tl.program_id(0)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
