@@ -17,7 +17,6 @@ deterministic. The head dim is tiled as in the forward kernel (one padded tile, 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +44,7 @@ from .flash_fwd import (
     tiling,
     vector_align,
 )
+from .flash_fwd_hopper import sm_count
 from .native import Site
 
 
@@ -362,10 +362,6 @@ _dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
 _dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
 _native_bwd = Site(launch_hooked)  # the backward's native programs (see :mod:`.native`)
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
     """dK/dV programs per key block: enough for about two programs per SM, none below 128 queries
@@ -374,7 +370,7 @@ def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> i
     if device.type != "cuda":
         return 1
     programs = cdiv(n_k, 64) * bh
-    return max(1, min(cdiv(n_q, 128), 2 * _sm_count(device) // programs))
+    return max(1, min(cdiv(n_q, 128), 2 * sm_count(device) // programs))
 
 
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}

@@ -117,8 +117,9 @@ def tail_split(tiles: int, sms: int, key_tiles: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def sm_count(device) -> int:
+    """The CUDA device's SM count (an index or a ``torch.device``); the backward's launcher takes it too."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -586,7 +587,7 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
     tile_m = consumers * block_m
     m_tiles = triton.cdiv(Nq, tile_m)
     tiles = m_tiles * B * H
-    whole, splits = tail_split(tiles, _sm_count(q.get_device()) if sms is None else sms, triton.cdiv(Nk, block_n))
+    whole, splits = tail_split(tiles, sm_count(q.get_device()) if sms is None else sms, triton.cdiv(Nk, block_n))
     pieces = (tiles - whole) * splits
     part_o = part_l = None
     if pieces:

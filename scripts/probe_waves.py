@@ -20,6 +20,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from sdpatch.kernels import native
 from sdpatch.kernels.flash_fwd import flash_attn_fwd
+from sdpatch.kernels.flash_fwd_hopper import config_for
 
 from _bench import environment, forward_baselines
 
@@ -32,6 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     native.wait()
     torch.manual_seed(0)
+    block_m, _, _, consumers = config_for(64)
     rows = []
     for B, H, N in [(2, 11, 1152), (2, 22, 1152), (2, 33, 1152), (2, 44, 1152), (2, 20, 1024)]:
         q, k, v = (torch.randn(B, N, H, 64, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
@@ -42,7 +44,7 @@ def main() -> None:
         for r in range(ROUNDS):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
                 calls[name].append(1e3 * do_bench(fns[name], warmup=10, rep=60, return_mode="median"))
-        row = dict(B=B, H=H, N=N, tiles=B * H * -(-N // 192))
+        row = dict(B=B, H=H, N=N, tiles=B * H * -(-N // (block_m * consumers)))
         for name, fn in fns.items():
             row[f"{name} call us"] = sorted(calls[name])[ROUNDS // 2]
             row[f"{name} graph us"] = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")

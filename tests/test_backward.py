@@ -105,7 +105,7 @@ def test_triton_backward_query_splits_agree(splits):
 def test_default_query_splits_fill_the_gpu_only_when_keys_are_few(monkeypatch):
     from sdpatch.kernels import flash_bwd
 
-    monkeypatch.setattr(flash_bwd, "_sm_count", lambda device: 132)  # an H200
+    monkeypatch.setattr(flash_bwd, "sm_count", lambda device: 132)  # an H200
     cuda = torch.device("cuda", 0)
     assert flash_bwd.default_query_splits(4096, 77, 16, cuda) == 8  # 32 programs -> 256
     assert flash_bwd.default_query_splits(4096, 4096, 16, cuda) == 1  # 1024 programs already
