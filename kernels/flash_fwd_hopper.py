@@ -22,7 +22,10 @@ with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where paddin
 
 A program holds an SM, so the grid runs in waves of query tiles; where the last wave would leave most
 SMs idle, its tiles are split along the keys into pieces that fill it, and a small Triton kernel
-merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`; v15).
+merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`; v15). Where
+the last wave is full enough not to split, some heads may take tiles of a consumer fewer, so that
+every SM takes one tile of each size (:func:`tile_plan`; v16). A consumer with no rows in its
+program's tile only hands the K and V stages back.
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
 :func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
@@ -32,6 +35,7 @@ under ``TRITON_INTERPRET``: CI compiles this one for sm_90, and the GPU checks r
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import os
 
@@ -61,6 +65,13 @@ log = logging.getLogger(__name__)
 MIN_KEYS = 256
 MIN_PROGRAMS = 128
 MIN_PIECE_TILES = 4  # key tiles a piece of a split query tile takes at least (tail_split)
+# A consumer's MMAs and its softmax run in series, so a program's time is that of max(its
+# consumers with rows, SERIAL_CONSUMERS) consumers' MMAs (tile_plan). Measured at hd64 (v16): 768
+# tokens, B 2, H 20, took 21.2 us in 240 tiles of 128 rows and 24.5 in 160 of 192, both two waves:
+# a tile of two consumers takes 0.865 of one of three's time, 2.6 consumers' MMAs.
+SERIAL_CONSUMERS = 2.6
+MIXED_MAX_WAVES = 4  # tile_plan searches grids of up to this many waves (past it, a wave is under 1/4 of the time)
+MIXED_MIN_GAIN = 0.05  # and takes a plan its model says is at least this much faster than whole tiles
 COMBINE_ROWS = 32  # rows a program of _combine_pieces merges
 ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
@@ -114,6 +125,71 @@ def tail_split(tiles: int, sms: int, key_tiles: int) -> tuple[int, int]:
     rem = tiles % sms
     splits = min(sms // rem, key_tiles // MIN_PIECE_TILES)
     return (tiles - rem, splits) if splits >= 2 else (tiles, 1)
+
+
+def tile_cost(active: int, consumers: int) -> float:
+    """A program's time with ``active`` of its ``consumers`` warpgroups holding rows, as a share of
+    a whole tile's (:data:`SERIAL_CONSUMERS`)."""
+    return max(active, SERIAL_CONSUMERS) / max(consumers, SERIAL_CONSUMERS)
+
+
+def _head_costs(n_q: int, block_m: int, consumers: int, big: int, small: int) -> tuple[list, list]:
+    """The costs of a head's ``big`` tiles of ``consumers`` x ``block_m`` rows and of the ``small``
+    tiles of a consumer fewer after them; the last may have consumers past ``n_q``."""
+    costs, row = [], 0
+    for rows in [consumers * block_m] * big + [(consumers - 1) * block_m] * small:
+        costs.append(tile_cost(min(rows, n_q - row + block_m - 1) // block_m, consumers))
+        row += rows
+    return costs[:big], costs[big:]
+
+
+def _makespan(costs: list, sms: int) -> float:
+    """When the last of a grid's programs ends, each taking the first SM free, in grid order."""
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heapreplace(free, free[0] + c)
+    return max(free)
+
+
+@functools.lru_cache(maxsize=256)
+def tile_plan(heads: int, n_q: int, sms: int, block_m: int, consumers: int) -> tuple[int, int, int, int, int]:
+    """(HEADS1, BIG1, SMALL1, BIG2, SMALL2): the grid's query tiles. The first HEADS1 of the
+    ``heads`` (batch x head) pairs each take BIG1 tiles of ``consumers`` x ``block_m`` rows, then
+    SMALL1 tiles of a consumer fewer; the others BIG2 and SMALL2. The grid holds every big tile,
+    then every small one.
+
+    Where the grid's last wave is neither full nor short enough for :func:`tail_split`, SMs idle
+    for a tile's time at its end: hd64 at 1024 tokens (B 2, H 20) is 240 tiles of 192 rows, 1.82
+    waves. As 7 heads of eight 128-row tiles and 33 of four 192-row and two 128-row ones, it is
+    132 tiles of 192 rows and 122 of 128, one of each an SM: 1.87 tiles' time, not 2; measured,
+    28.7 us against 30.6 (v16).
+    Searched over one or two kinds of head, by :func:`_makespan` of :func:`tile_cost`; whole
+    tiles, (heads, tiles a head, 0, 0, 0), unless a plan is :data:`MIXED_MIN_GAIN` faster."""
+    tile = consumers * block_m
+    m_tiles = -(-n_q // tile)
+    whole = (heads, m_tiles, 0, 0, 0)
+    tiles = heads * m_tiles
+    if sms <= 0 or tiles <= sms or tiles > MIXED_MAX_WAVES * sms or tile_cost(consumers - 1, consumers) >= 1:
+        return whole
+    kinds = {}  # (big, small) tiles a head, of every way to cover n_q rows with no tile to spare
+    for big in range(m_tiles + 1):
+        small = -(-max(n_q - big * tile, 0) // (tile - block_m))
+        kinds[big, small] = _head_costs(n_q, block_m, consumers, big, small)
+
+    def time(plan):
+        heads1, big1, small1, big2, small2 = plan
+        (bigs1, smalls1), (bigs2, smalls2) = kinds[big1, small1], kinds.get((big2, small2), ([], []))
+        n2 = heads - heads1
+        return _makespan(bigs1 * heads1 + bigs2 * n2 + smalls1 * heads1 + smalls2 * n2, sms)
+
+    plans = [(heads, *kind, 0, 0) for kind in kinds]  # every head alike, or two kinds of head
+    plans += [(heads1, *a, *b) for a in kinds for b in kinds if a < b for heads1 in range(1, heads)]
+    best, best_time = whole, time(whole) * (1 - MIXED_MIN_GAIN)
+    for plan in plans:
+        t = time(plan)
+        if t < best_time:
+            best, best_time = plan, t
+    return best
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,11 +296,17 @@ if gluon is not None:
             _tma_load(desc, [b, h, row, 0], bar, smem)
 
     @gluon.jit
-    def _work(work, BLOCK_N: gl.constexpr, TAIL: gl.constexpr):
-        """This program's work: (batch x head, query tile, first key tile, key tiles past its last,
-        piece). Programs under N_FULL take a whole query tile's keys (piece < 0); with TAIL, each
-        later one a piece of a tile's key tiles, SPLITS pieces a tile (:func:`tail_split`)."""
-        N_K, M_TILES, N_FULL, SPLITS = work
+    def _work(work, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, TAIL: gl.constexpr,
+              MIXED: gl.constexpr):
+        """This program's work: (batch x head, first query row, consumers with rows, first key tile,
+        key tiles past its last, piece). Programs under N_FULL take a whole query tile's keys (piece
+        < 0); with TAIL, each later one a piece of a tile's key tiles, SPLITS pieces a tile
+        (:func:`tail_split`). Tiles are numbered as :func:`tile_plan` lays them out: the big ones
+        (CONSUMERS x BLOCK_M rows), HEADS1 heads' BIG1 each and the other heads' BIG2, then the
+        small ones (a consumer fewer), SMALL1 and SMALL2 a head, after each head's big ones. Only
+        MIXED plans have small tiles, and consumers with no rows: whole ones (BIG1 a head) give
+        every consumer rows, as v15's kernel did, TMA reading zeros past N."""
+        N_Q, N_K, N_FULL, SPLITS, HEADS, HEADS1, BIG1, SMALL1, BIG2, SMALL2 = work
         pid = gl.program_id(0)
         tile = pid
         piece = pid - N_FULL
@@ -238,20 +320,35 @@ if gluon is not None:
             splits = 1 + is_piece * (SPLITS - 1)
             j0 = own % SPLITS * key_tiles // splits
             j1 = (own % SPLITS + 1) * key_tiles // splits
-        return tile // M_TILES, tile % M_TILES, j0, j1, piece
+        if not MIXED:
+            return tile // BIG1, tile % BIG1 * (CONSUMERS * BLOCK_M), CONSUMERS, j0, j1, piece
+        # The tile's segment: big or small, of the first heads or the others (branchless too).
+        bigs1 = HEADS1 * BIG1
+        bigs = bigs1 + (HEADS - HEADS1) * BIG2
+        small = (tile >= bigs).to(gl.int32)
+        u = tile - small * bigs
+        per1 = BIG1 + small * (SMALL1 - BIG1)
+        per2 = BIG2 + small * (SMALL2 - BIG2)
+        second = (u >= HEADS1 * per1).to(gl.int32)
+        u -= second * HEADS1 * per1
+        per = per1 + second * (per2 - per1)
+        row0 = small * (BIG1 + second * (BIG2 - BIG1)) * (CONSUMERS * BLOCK_M) + u % per * ((CONSUMERS - small) * BLOCK_M)
+        active = gl.minimum(CONSUMERS - small, gl.cdiv(N_Q - row0, BLOCK_M))
+        return second * HEADS1 + u // per, row0, active, j0, j1, piece
 
     @gluon.jit
     def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, SPLIT: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, TAIL: gl.constexpr):
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, TAIL: gl.constexpr, MIXED: gl.constexpr):
         """One warp: every consumer's Q tile, then K and V tiles into the ring as its stages come free."""
         (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, work, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
          v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty) = args
-        bh, m, j0, j1, _ = _work(work, BLOCK_N, TAIL)
+        bh, row0, active, j0, j1, _ = _work(work, BLOCK_M, BLOCK_N, CONSUMERS, TAIL, MIXED)
         b = bh // H
         h = bh % H
         for w in gl.static_range(CONSUMERS):
-            _load_tile(q_desc, q_hi_desc, b, h, (m * CONSUMERS + w) * BLOCK_M, D_LO, SPLIT, q_bars.index(w),
-                       q_smem.index(w), q_hi_smem.index(w))
+            if w < active:
+                _load_tile(q_desc, q_hi_desc, b, h, row0 + w * BLOCK_M, D_LO, SPLIT, q_bars.index(w), q_smem.index(w),
+                           q_hi_smem.index(w))
         for i in range(j1 - j0):
             st = i % STAGES
             free = ((i // STAGES) & 1) ^ 1  # a fresh barrier's phase before its first counts as complete
@@ -305,18 +402,37 @@ if gluon is not None:
     @gluon.jit
     def _consumer(WG: gl.constexpr, args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr,
                   D_HI: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr,
-                  CONSUMERS: gl.constexpr, TAIL: gl.constexpr):
-        """Warpgroup WG's BLOCK_M query rows over the program's key tiles. Per key tile j: in its
-        turn, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j,
-        release K_j, compute P_j; wait for P V, release V_{j-1}, rescale O."""
+                  CONSUMERS: gl.constexpr, TAIL: gl.constexpr, MIXED: gl.constexpr):
+        """Warpgroup WG: its BLOCK_M rows of the program's tile (:func:`_attend`), or, where the tile
+        has none for it, the K and V stages handed back as they fill, which the producer counts
+        on (the barriers count every consumer)."""
+        k_full, v_full, k_empty, v_empty = args[15], args[16], args[17], args[18]
+        pid_bh, row0, active, j0, j1, piece = _work(args[7], BLOCK_M, BLOCK_N, CONSUMERS, TAIL, MIXED)
+        if WG < active:
+            _attend(WG, args, pid_bh, row0 + WG * BLOCK_M, active, j0, j1, piece, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES,
+                    STORE_LSE, EVEN_N, CONSUMERS, TAIL)
+        else:
+            for j in range(j1 - j0):
+                st = j % STAGES
+                mbarrier.wait(k_full.index(st), (j // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(st))
+                mbarrier.wait(v_full.index(st), (j // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(st))
+
+    @gluon.jit
+    def _attend(WG: gl.constexpr, args, pid_bh, off_m, active, j0, j1, piece, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr, STAGES: gl.constexpr,
+                STORE_LSE: gl.constexpr, EVEN_N: gl.constexpr, CONSUMERS: gl.constexpr, TAIL: gl.constexpr):
+        """Warpgroup WG's BLOCK_M query rows from off_m over the program's key tiles, the turns
+        passed among the ``active`` consumers with rows. Per key tile j: in its turn, issue S_j =
+        Q K_j^T and O += P_{j-1} V_{j-1} and hand the turn on; wait for S_j, release K_j, compute
+        P_j; wait for P V, release V_{j-1}, rescale O."""
         (o_desc, o_hi_desc, Lse, Part_O, Part_L, qk_scale, N_Q, work, q_smem, k_smem, v_smem, q_hi_smem, k_hi_smem,
          v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem) = args
         SPLIT: gl.constexpr = D_HI > 0
-        N_K = work[0]
-        pid_bh, m, j0, j1, piece = _work(work, BLOCK_N, TAIL)
+        N_K = work[1]
         b = pid_bh // o_desc.shape[1]
         h = pid_bh % o_desc.shape[1]
-        off_m = (m * CONSUMERS + WG) * BLOCK_M
         n_tiles = j1 - j0
         dtype: gl.constexpr = o_desc.dtype
 
@@ -346,8 +462,8 @@ if gluon is not None:
         else:
             q_hi_op = q_op
         my_turn = turns.index(WG)
-        next_turn = turns.index((WG + 1) % CONSUMERS)
-        if WG == CONSUMERS - 1:  # the first turn is the first consumer's
+        next_turn = turns.index((WG + 1) % active)
+        if WG == active - 1:  # the first turn is the first consumer's
             mbarrier.arrive(turns.index(0))
 
         # -- tile 0: its scores, then its softmax ------------------------------------------------
@@ -467,15 +583,16 @@ if gluon is not None:
     @gluon.jit
     def _attn_fwd_hopper(
         q_desc, k_desc, v_desc, o_desc, q_hi_desc, k_hi_desc, v_hi_desc, o_hi_desc, Lse, Part_O, Part_L,
-        qk_scale, H, N_Q, N_K, M_TILES, N_FULL, SPLITS,
+        qk_scale, H, N_Q, N_K, N_FULL, SPLITS, HEADS, HEADS1, BIG1, SMALL1, BIG2, SMALL2,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D_LO: gl.constexpr, D_HI: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, STORE_LSE: gl.constexpr,
-        EVEN_N: gl.constexpr, TAIL: gl.constexpr, num_warps: gl.constexpr,
+        EVEN_N: gl.constexpr, TAIL: gl.constexpr, MIXED: gl.constexpr, num_warps: gl.constexpr,
     ):
         # The head dim in two power-of-two column parts, D_LO + D_HI (40 = 32 + 16, 80 = 64 + 16,
         # 160 = 128 + 32), each MMA once per part; D_HI = 0: one part, and the *_hi descriptors
-        # are None. A query tile: CONSUMERS x BLOCK_M rows of one (batch, head), M_TILES a head;
-        # a program takes a tile's keys, or with TAIL a piece of them (_work, :func:`tail_split`).
+        # are None. A query tile: CONSUMERS x BLOCK_M rows of one (batch, head), or a consumer fewer
+        # (:func:`tile_plan`); a program takes a tile's keys, or with TAIL a piece of them (_work,
+        # :func:`tail_split`).
         SPLIT: gl.constexpr = D_HI > 0
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -525,7 +642,7 @@ if gluon is not None:
         # The partitions' runtime arguments as tuples; their constexprs written out in each entry (a
         # tuple bound to a name turns constexprs into tensors). The producer's one warp takes a
         # warpgroup's register slot, at 24 a thread.
-        work = (N_K, M_TILES, N_FULL, SPLITS)
+        work = (N_Q, N_K, N_FULL, SPLITS, HEADS, HEADS1, BIG1, SMALL1, BIG2, SMALL2)
         consumer_args = (o_desc, o_hi_desc, Lse, Part_O, Part_L, qk_scale, N_Q, work, q_smem, k_smem, v_smem, q_hi_smem,
                          k_hi_smem, v_hi_smem, q_bars, k_full, v_full, k_empty, v_empty, turns, ones_smem)
         producer_args = (q_desc, k_desc, v_desc, q_hi_desc, k_hi_desc, v_hi_desc, H, work, q_smem, k_smem, v_smem,
@@ -533,21 +650,21 @@ if gluon is not None:
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
-                             TAIL)),
+                             TAIL, MIXED)),
                 (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
-                             TAIL)),
-                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL)),
+                             TAIL, MIXED)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL, MIXED)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
                 (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
-                             TAIL)),
+                             TAIL, MIXED)),
                 (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
-                             TAIL)),
+                             TAIL, MIXED)),
                 (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES, STORE_LSE, EVEN_N, CONSUMERS,
-                             TAIL)),
-                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL)),
+                             TAIL, MIXED)),
+                (_producer, (producer_args, BLOCK_M, BLOCK_N, D_LO, SPLIT, STAGES, CONSUMERS, TAIL, MIXED)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -575,9 +692,10 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
              sms: int | None = None) -> list[tuple]:
     """The forward's launches, each ``(kernel, grid, runtime arguments, constexprs)``: the Gluon
     kernel, then, where :func:`tail_split` splits the grid's last wave, :func:`_combine_pieces` over
-    the pieces' workspace, allocated here (fp32, at most ``sms`` programs' rows). ``config`` as
-    :func:`hopper_attn_fwd`'s; ``sms``: the SMs the last wave is balanced over (None: the device's;
-    0: no split). :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
+    the pieces' workspace, allocated here (fp32, at most ``sms`` programs' rows). A grid not split
+    takes :func:`tile_plan`'s tiles. ``config`` as :func:`hopper_attn_fwd`'s; ``sms``: the SMs the
+    grid is balanced over (None: the device's; 0: whole tiles, none split).
+    :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
@@ -587,17 +705,23 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
     tile_m = consumers * block_m
     m_tiles = triton.cdiv(Nq, tile_m)
     tiles = m_tiles * B * H
-    whole, splits = tail_split(tiles, sm_count(q.get_device()) if sms is None else sms, triton.cdiv(Nk, block_n))
+    sms = sm_count(q.get_device()) if sms is None else sms
+    whole, splits = tail_split(tiles, sms, triton.cdiv(Nk, block_n))
     pieces = (tiles - whole) * splits
     part_o = part_l = None
-    if pieces:
+    if not pieces:
+        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
+        heads1, big1, small1, big2, small2 = plan
+        whole = heads1 * (big1 + small1) + (B * H - heads1) * (big2 + small2)
+    else:  # the pieces' tiles are whole ones
+        plan = (B * H, m_tiles, 0, 0, 0)
         part_o = torch.empty(pieces, tile_m, d_lo + d_hi, device=q.device, dtype=torch.float32)
         part_l = torch.empty(pieces, tile_m, device=q.device, dtype=torch.float32)
     args = (*descriptors(q, k, v, out, block_m, block_n), lse, part_o, part_l, scale * 1.44269504,  # 1/ln 2
-            H, Nq, Nk, m_tiles, whole, splits)
+            H, Nq, Nk, whole, splits, B * H, *plan)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, CONSUMERS=consumers,
                   CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=Nk % block_n == 0,
-                  TAIL=pieces > 0, num_warps=4)
+                  TAIL=pieces > 0, MIXED=plan[2] + plan[4] > 0, num_warps=4)
     runs = [(_attn_fwd_hopper, (whole + pieces, 1, 1), args, consts)]
     if pieces:
         combine_args = (part_o, part_l, out, lse, *out.stride()[:3], H, Nq, m_tiles, whole, splits)

@@ -103,6 +103,23 @@ def split_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
     return tiles - 1 if tiles > 2 and tail_split(tiles, tiles - 1, triton.cdiv(Nk, block_n))[1] > 1 else 0
 
 
+def mixed_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
+    """SMs for the Gluon kernel's ``sms`` under which its grid is not split but mixes tiles of two
+    sizes (``tile_plan``), tried at 1.3 to 3.6 waves of whole tiles; 0 where none does."""
+    import triton
+
+    from sdpatch.kernels.flash_fwd_hopper import tail_split, tile_plan
+
+    block_m, block_n, _, consumers = config
+    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
+    for waves in (1.82, 1.7, 1.5, 1.3, 2.6, 3.6):
+        sms = max(2, int(tiles / waves))
+        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
+        if tail_split(tiles, sms, triton.cdiv(Nk, block_n))[1] == 1 and plan[2] + plan[4]:
+            return sms
+    return 0
+
+
 def probe_inputs(c: Case, device: str = "cuda"):
     """A forward probe's case: q, k, v, the scale, the FLOP count, and ``error_of(out)``, a result's
     relative error against float64 on 512 rows of one head."""

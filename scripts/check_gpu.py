@@ -16,6 +16,7 @@ Prints one line per check and exits non-zero if any fails.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -24,7 +25,7 @@ from sdpatch import attention
 from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper, native
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask, peak_over, split_sms
+from _bench import make_mask, mixed_sms, peak_over, split_sms
 
 RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 failures: list[str] = []
@@ -64,7 +65,7 @@ CASES = [
     (2, 8, 1024, 1024, 80, torch.float16, None, "bnhd"),  # SD 1.5 at 512 x 512: the Gluon kernel serves hd80 and hd160
     (2, 8, 256, 256, 160, torch.bfloat16, None, "bnhd"),
     (2, 10, 4096, 4096, 64, torch.float16, None, "bnhd"),
-    (2, 20, 1024, 1024, 64, torch.float16, None, "bnhd"),  # SDXL's level 3: the Gluon kernel checked, not served
+    (2, 20, 1024, 1024, 64, torch.float16, None, "bnhd"),  # SDXL's level 3: on an H200, tiles of two sizes
     (1, 4, 97, 97, 40, torch.float32, "bool", "contiguous"),
     (1, 2, 1, 1, 1, torch.float16, None, "contiguous"),
     (1, 1, 4096, 4096, 512, torch.float16, None, "contiguous"),
@@ -126,14 +127,39 @@ def check_gluon(q, k, v, ref, name) -> None:
     served = flash_fwd_hopper.serves(q, k, v, None)
     report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
            f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, default calls {'served' if served else 'not served'}")
-    sms = split_sms(*q.shape[:3], k.shape[2], flash_fwd_hopper.config_for(q.shape[-1]))
-    if sms:  # the grid's last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split): that
-        # tile is the last head's, so the whole output is checked, against the Triton kernel's
+    config = flash_fwd_hopper.config_for(q.shape[-1])
+    # The whole output against the Triton kernel's: as this GPU's SMs lay the grid out, then with
+    # its last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split; that tile is the
+    # last head's), then in tiles of two sizes (tile_plan), where an SM count gives some.
+    for grid, sms in (("", None), (" split", split_sms(*q.shape[:3], k.shape[2], config)),
+                      (" mixed", mixed_sms(*q.shape[:3], k.shape[2], config))):
+        if sms == 0:
+            continue
         out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True, sms=sms)
         e = rel(out, out_triton.double())
         e_lse = (lse - lse_triton).abs().max().item()
-        report(f"gluon split over {sms} SMs {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
-               f"rel err vs Triton's {e:.2e}, lse vs Triton's max diff {e_lse:.1e}")
+        report(f"gluon{grid} over {sms or 'all'} SMs {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
+               f"whole output: rel err vs Triton's {e:.2e}, lse vs Triton's max diff {e_lse:.1e}")
+
+
+# (B, H, N, D, dtype, SMs): Gluon grids of two tile sizes that CASES' shapes do not lay out on this
+# GPU (tests/test_hopper.py's TILE_PLANS): heads of two kinds whose last tiles hold 8 rows (one
+# consumer with rows) and 72, and heads of one kind whose last tile holds 104.
+MIXED_GRIDS = [(2, 3, 1800, 64, torch.bfloat16, 35), (2, 3, 1000, 64, torch.float16, 14)]
+
+
+def check_mixed_grids() -> None:
+    """The Gluon forward over MIXED_GRIDS against float64, whole tensors, output and log-sum-exp."""
+    for B, H, N, D, dtype, sms in MIXED_GRIDS:
+        block_m, _, _, consumers = flash_fwd_hopper.config_for(D)
+        q, k, v = qkv(B, H, N, N, D, dtype, "bnhd")
+        out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, return_lse=True, sms=sms)
+        e = rel(out, attention_ref(q, k, v))
+        lse_ref = torch.logsumexp(q.double() @ k.double().transpose(-1, -2) * D**-0.5, -1) / math.log(2)
+        e_lse = (lse.double() - lse_ref).abs().max().item()
+        report(f"gluon mixed over {sms} SMs B{B}-H{H}-N{N}-D{D}-{str(dtype)[6:]}", e <= RTOL[dtype] and e_lse <= 1e-3,
+               f"plan {flash_fwd_hopper.tile_plan(B * H, N, sms, block_m, consumers)}: whole output"
+               f" rel err {e:.2e}, lse max err {e_lse:.1e}")
 
 
 def check_native(q, k, v, m, do, name) -> None:
@@ -190,6 +216,7 @@ if __name__ == "__main__":
     report("native module built", native.wait(), "see the log for the build's warning" if native.module() is None else "ready")
     check_correctness(args.only.split(",") if args.only else None)
     if not args.only:
+        check_mixed_grids()
         check_memory()
         check_large_grids()
     print(f"{len(failures)} failed: {failures}" if failures else "all GPU checks passed")

@@ -5,8 +5,9 @@ and cuDNN, on issue 6's cases. (Needs an sm_90 GPU and triton 3.5 or later.)
 
 First a correctness pass over odd shapes (output and log-sum-exp against float64, whole tensors)
 with two and three consumer warpgroups, each also with its grid's last tile split into pieces (as
-if the GPU had one SM fewer than tiles), then kernel time by CUDA-graph replay for each tile, with
-the last wave split as on this GPU and whole (``tail_split``).
+if the GPU had one SM fewer than tiles) and in tiles of two sizes (``tile_plan``, over fewer SMs),
+then kernel time by CUDA-graph replay for each tile, with the grid laid out for this GPU and in
+whole tiles (``tail_split``, ``tile_plan``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import config_for, hopper_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment, forward_baselines, probe_inputs, probe_row, probe_summary, split_sms
+from _bench import Case, environment, forward_baselines, mixed_sms, probe_inputs, probe_row, probe_summary, split_sms
 from bench_kernels import CASES as BENCH_CASES
 
 # Issue 6's self-attention cases, and SD 1.5's second level at 512 x 512.
@@ -39,14 +40,16 @@ ODD = [(1, 2, 97, 97, 40, torch.float16, "bnhd"), (2, 3, 1025, 77, 40, torch.flo
        (2, 3, 1000, 2000, 64, torch.float16, "bnhd")]
 
 
-def check_odd(consumers: int, split: bool) -> list[dict]:
+def check_odd(consumers: int, grid: str) -> list[dict]:
     """ODD's shapes against float64 with this many consumer warpgroups (three up to head dim 128:
-    above, three Q tiles and the K/V ring outgrow shared memory), whole or with a split last tile."""
+    above, three Q tiles and the K/V ring outgrow shared memory), in whole tiles, with a split last
+    tile, or in tiles of two sizes (``grid``: whole, split, mixed)."""
     rows = []
     for B, H, Nq, Nk, D, dtype, layout in ODD:
         config = (*config_for(D)[:3], consumers)
-        sms = split_sms(B, H, Nq, Nk, config) if split else 0
-        if consumers > 2 and D > 128 or split and not sms:
+        sms = {"whole": 0, "split": split_sms, "mixed": mixed_sms}[grid]
+        sms = sms and sms(B, H, Nq, Nk, config)
+        if consumers > 2 and D > 128 or grid != "whole" and not sms:
             continue
         def r(n):
             t = torch.randn(B, n, H, D, device="cuda", dtype=dtype)
@@ -61,7 +64,7 @@ def check_odd(consumers: int, split: bool) -> list[dict]:
         e = ((out.double() - ref).norm() / ref.norm()).item()
         e_lse = (lse.double() - lse_ref).abs().max().item()
         ok = e < 1e-2 and e_lse < 1e-2 and out.stride() == q.stride()
-        shape = f"B{B}-H{H}-N{Nq}x{Nk}-D{D}-{str(dtype)[6:]}-{layout} x{consumers}{f' split over {sms}' if sms else ''}"
+        shape = f"B{B}-H{H}-N{Nq}x{Nk}-D{D}-{str(dtype)[6:]}-{layout} x{consumers}{f' {grid} over {sms}' if sms else ''}"
         rows.append(dict(shape=shape, rel_err=e, lse_max_err=e_lse, ok=ok))
         print(f"{'PASS' if ok else 'FAIL'} {rows[-1]['shape']}: rel err {e:.2e}, lse max err {e_lse:.2e}", flush=True)
     return rows
@@ -71,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
-    odd = [row for consumers in (2, 3) for split in (False, True) for row in check_odd(consumers, split)]
+    odd = [row for consumers in (2, 3) for grid in ("whole", "split", "mixed") for row in check_odd(consumers, grid)]
     rows = []
     for c in CASES:
         q, k, v, scale, flops, error_of = probe_inputs(c)

@@ -34,7 +34,7 @@ from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, 
 from sdpatch.kernels.flash_fwd import _prune as fwd_prune
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask, split_sms
+from _bench import make_mask, mixed_sms, split_sms
 
 SHAPES = [  # B, H, Nq, Nk, D, mask, layout
     (1, 2, 97, 97, 40, None, "bnhd"),
@@ -55,6 +55,7 @@ GLUON_SHAPES = [  # B, H, Nq, Nk, D; from (8, 16, 256, 256, 64) on, default call
     (1, 2, 97, 97, 40), (2, 1, 1025, 77, 40), (1, 1, 1, 1, 16), (2, 2, 1, 5, 80), (1, 2, 130, 129, 128),
     (1, 2, 300, 257, 64), (2, 1, 200, 256, 256), (8, 16, 256, 256, 64), (4, 16, 300, 257, 160), (2, 8, 4096, 4096, 40),
     (2, 10, 4096, 4096, 64),  # on an H200, default calls split the grid's last wave (tail_split)
+    (2, 20, 1024, 1024, 64),  # and here take tiles of two sizes (tile_plan)
     (1, 3, 700, 1500, 160), (2, 3, 1000, 2000, 64),
 ]
 
@@ -108,8 +109,8 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
 def gluon() -> int:
     """The Gluon forward's launches (see the module's docstring), each checked on the first head's
     first 256 rows and the last head's last 256 (where a split last tile is) against float64, also
-    with the last tile split (as on a GPU of one SM fewer than tiles); returns the number of wrong
-    results."""
+    with the last tile split (as on a GPU of one SM fewer than tiles) and in tiles of two sizes
+    (over fewer SMs); returns the number of wrong results."""
     torch.manual_seed(0)
     assert native.wait(), "the native module did not build"
     bad = launches = 0
@@ -118,9 +119,10 @@ def gluon() -> int:
         refs = [attention_ref(q[:1, :1, :256], k[:1, :1], v[:1, :1]), attention_ref(q[-1:, -1:, -256:], k[-1:, -1:], v[-1:, -1:])]
         calls = [(f"jit lse={lse}", lambda lse=lse: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, return_lse=lse)[0])
                  for lse in (False, True)]
-        sms = split_sms(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))
-        if sms:
-            calls.append((f"split over {sms} SMs", lambda: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0]))
+        for grid, sms in (("split", split_sms), ("mixed", mixed_sms)):
+            sms = sms(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))
+            if sms:
+                calls.append((f"{grid} over {sms} SMs", lambda sms=sms: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0]))
         if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, the binary, the native replay
             calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2, 3)]
         for name, fn in calls:

@@ -120,33 +120,37 @@ triton.runtime.driver.set_active(Sm90())
 runs = fh.launches(q, q, q, torch.empty_like(q), torch.empty(q.shape[:3]) if lse else None, 0.2, sms=sms)
 built = [kernel.warmup(*args, **consts, grid=grid) for kernel, grid, args, consts in runs]
 print(json.dumps({"ptx": [k.asm["ptx"] for k in built], "num_warps": built[0].metadata.num_warps,
-                  "tail": runs[0][3]["TAIL"]}))
+                  "tail": runs[0][3]["TAIL"], "mixed": runs[0][3]["MIXED"]}))
 """
 
-# (head dim, log-sum-exp stored, tokens, dtype, SMs to balance over): split and unsplit head dims,
-# two and three consumers; with SMs, a grid whose last wave is split (36 query tiles over 5 SMs at
-# D64, 24 over 10 at D40, 48 over 11 at D80: 1, 4 and 4 tiles in pieces).
-COMPILED = [(40, True, 256, "float16", 0), (40, False, 250, "bfloat16", 0), (64, False, 256, "float16", 0),
-            (80, False, 256, "float16", 0), (128, True, 250, "float16", 0), (160, False, 256, "float16", 0),
-            (64, False, 1024, "float16", 5), (40, True, 1000, "bfloat16", 10), (80, True, 1000, "float16", 11)]
+# (head dim, log-sum-exp stored, tokens, dtype, SMs to balance over, grid): split and unsplit head
+# dims, two and three consumers; with SMs, a grid whose last wave is split (36 query tiles over 5 SMs
+# at D64, 24 over 10 at D40, 48 over 11 at D80: 1, 4 and 4 tiles in pieces), or one of mixed tiles
+# (tile_plan: at D64, 6 heads of 1000 tokens over 14 SMs, 1800 over 35: TILE_PLANS).
+COMPILED = [(40, True, 256, "float16", 0, "whole"), (40, False, 250, "bfloat16", 0, "whole"),
+            (64, False, 256, "float16", 0, "whole"), (80, False, 256, "float16", 0, "whole"),
+            (128, True, 250, "float16", 0, "whole"), (160, False, 256, "float16", 0, "whole"),
+            (64, False, 1024, "float16", 5, "tail"), (40, True, 1000, "bfloat16", 10, "tail"),
+            (80, True, 1000, "float16", 11, "tail"), (64, True, 1000, "float16", 14, "mixed"),
+            (64, False, 1800, "bfloat16", 35, "mixed")]
 
 
 @pytest.mark.skipif(fh.gluon is None, reason="this triton has no Gluon Hopper API")
-@pytest.mark.parametrize("D,lse,n,dtype,sms", COMPILED,
-                         ids=[f"D{d}-N{n}-{t}{'-lse' if lse else ''}{f'-sms{m}' if m else ''}" for d, lse, n, t, m in COMPILED])
-def test_compiles_for_sm90(D, lse, n, dtype, sms):
+@pytest.mark.parametrize("D,lse,n,dtype,sms,grid", COMPILED,
+                         ids=[f"D{d}-N{n}-{t}{'-lse' if lse else ''}{f'-sms{m}-{g}' if m else ''}" for d, lse, n, t, m, g in COMPILED])
+def test_compiles_for_sm90(D, lse, n, dtype, sms, grid):
     """The kernel builds to an sm_90 binary, warp-specialized, with its asynchronous MMAs, TMA copies
     and barrier handoffs, on whatever triton CI installs: Gluon's API moves between releases (3.7
     renamed the TMA copies). S_j is waited for alone, with P V's MMA groups (one a head-dim part)
     and, in fp16, the row sums' still in flight. A split last wave adds the pieces' stores and
-    the combine kernel."""
+    the combine kernel; mixed tiles, consumers that only hand the stages back."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", COMPILE, str(D), str(int(lse)), str(n), dtype, str(sms)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.strip().splitlines()[-1])
     ptx, *combine = built["ptx"]
-    assert built["tail"] is bool(sms) and len(combine) == int(bool(sms))
+    assert built["tail"] is (grid == "tail") and built["mixed"] is (grid == "mixed") and len(combine) == (grid == "tail")
     parts = 2 if fh.split_head_dim(D)[1] else 1
     consumers = fh.config_for(D)[3]
     assert built["num_warps"] == 4 * consumers + 4  # the producer's warp holds a warpgroup's slot
@@ -156,7 +160,7 @@ def test_compiles_for_sm90(D, lse, n, dtype, sms):
     assert "wgmma.mma_async" in ptx and f"wgmma.wait_group.sync.aligned {parts + rowsum_mma};" in ptx
     assert ("m64n8k16" in ptx) is rowsum_mma
     assert "cp.async.bulk.tensor.4d" in ptx and "mbarrier.arrive" in ptx
-    assert ("st.global" in ptx) is (lse or bool(sms))
+    assert ("st.global" in ptx) is (lse or grid == "tail")
     assert all("ex2.approx" in c and "st.global" in c for c in combine)
 
 
@@ -194,6 +198,60 @@ TAIL_SPLITS = [  # (tiles, SMs, key tiles, (whole, splits))
 @pytest.mark.parametrize("tiles,sms,key_tiles,split", TAIL_SPLITS, ids=[f"T{t}-S{s}-K{k}" for t, s, k, _ in TAIL_SPLITS])
 def test_tail_split(tiles, sms, key_tiles, split):
     assert fh.tail_split(tiles, sms, key_tiles) == split
+
+
+TILE_PLANS = [  # (heads, tokens, SMs, BLOCK_M, consumers, plan)
+    # hd64 1024, B2 H20: 240 whole tiles are 1.82 waves; 132 of 192 rows and 122 of 128, 1.87 tiles' time
+    (40, 1024, 132, 64, 3, (7, 0, 8, 4, 2)),
+    (20, 2048, 132, 64, 3, (20, 6, 7, 0, 0)),  # 220 tiles, 1.67 waves: 120 of 192 rows and 140 of 128
+    (40, 768, 132, 64, 3, (40, 0, 6, 0, 0)),  # 160 tiles, 1.21 waves: 240 of 128 rows, 1.82 waves of 0.865
+    (6, 1000, 14, 64, 3, (6, 2, 5, 0, 0)),  # each head's last tile: 104 rows
+    (6, 1800, 35, 64, 3, (1, 0, 15, 7, 4)),  # last tiles: 8 rows, one consumer, and 72
+    (20, 2304, 132, 64, 3, (20, 12, 0, 0, 0)),  # 240 tiles: one of each size an SM would not cover the rows
+    (40, 1152, 132, 64, 3, (40, 6, 0, 0, 0)),
+    (16, 4096, 132, 128, 2, (16, 16, 0, 0, 0)),  # two consumers: one is no faster than two (tile_cost)
+    (16, 1024, 132, 64, 3, (16, 6, 0, 0, 0)),  # under one wave
+    (160, 1024, 132, 64, 3, None),  # 960 tiles: over MIXED_MAX_WAVES waves
+    (40, 1024, 0, 64, 3, (40, 6, 0, 0, 0)),  # no balancing asked
+]
+
+
+@pytest.mark.parametrize("heads,n_q,sms,block_m,consumers,plan", TILE_PLANS,
+                         ids=[f"BH{h}-N{n}-S{s}-M{m}x{c}" for h, n, s, m, c, _ in TILE_PLANS])
+def test_tile_plan(heads, n_q, sms, block_m, consumers, plan):
+    whole = (heads, -(-n_q // (block_m * consumers)), 0, 0, 0)
+    assert fh.tile_plan(heads, n_q, sms, block_m, consumers) == (plan or whole)
+
+
+def program_rows(plan, heads, n_q, block_m, consumers):
+    """Each program's (head, first row, consumers with rows): the Gluon kernel's ``_work``, which
+    runs only on a GPU, transcribed for the grid :func:`tile_plan` lays out."""
+    heads1, big1, small1, big2, small2 = plan
+    out = []
+    for tile in range(heads1 * (big1 + small1) + (heads - heads1) * (big2 + small2)):
+        bigs = heads1 * big1 + (heads - heads1) * big2
+        small = int(tile >= bigs)
+        u = tile - small * bigs
+        per1, per2 = (small1, small2) if small else (big1, big2)
+        second = int(u >= heads1 * per1)
+        u -= second * heads1 * per1
+        per = per2 if second else per1
+        row0 = small * (big2 if second else big1) * consumers * block_m + u % per * (consumers - small) * block_m
+        out.append((second * heads1 + u // per, row0, min(consumers - small, -(-(n_q - row0) // block_m))))
+    return out
+
+
+@pytest.mark.parametrize("heads,n_q,sms,block_m,consumers,plan", [p for p in TILE_PLANS if p[-1] and p[-1][2] + p[-1][4]],
+                         ids=[f"BH{h}-N{n}-S{s}" for h, n, s, _, _, p in TILE_PLANS if p and p[2] + p[4]])
+def test_tile_plan_covers_every_row_once(heads, n_q, sms, block_m, consumers, plan):
+    """The programs' consumers with rows hold every query row of every head once, and each has
+    some."""
+    seen = torch.zeros(heads, n_q, dtype=torch.int32)
+    programs = program_rows(plan, heads, n_q, block_m, consumers)
+    for head, row0, active in programs:
+        assert 1 <= active <= consumers and row0 < n_q
+        seen[head, row0 : row0 + active * block_m] += 1
+    assert (seen == 1).all()
 
 
 # (B, H, Nq, Nk, D, dtype, SMs): grids whose last wave is split, tiles of 256 (D40), 192 (D64) and

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from _bench import Case, case_tensors, chosen, paired_ratio, probe_forward  # noqa: E402
+from _bench import Case, case_tensors, chosen, mixed_sms, paired_ratio, probe_forward  # noqa: E402
 import peak_where  # noqa: E402
 import probe_bwd_tma  # noqa: E402
 import probe_exp16  # noqa: E402
@@ -193,3 +193,23 @@ def test_only_picks_cases_by_name_and_kind(only, picked):
     cases = [Case("hd40 4096", 1, 1, 16, 16, 40), Case("x77 hd40 4096", 1, 1, 16, 77, 40),
              Case("bwd hd40 4096", 1, 1, 16, 16, 40, backward=True), Case("bwd x77 hd40 4096", 1, 1, 16, 77, 40, backward=True)]
     assert [c.name for c in cases if chosen(c, only)] == picked
+
+
+MIXED_SMS = [  # (B, H, Nq, Nk, Gluon config, SMs): the GPU checks' grids of two tile sizes
+    (2, 3, 1000, 2000, (64, 128, 2, 3), 21),  # 36 tiles of 192 rows over 21 SMs: 1.7 waves
+    (2, 10, 4096, 77, (64, 128, 2, 3), 258),
+    (1, 2, 4097, 4097, (64, 128, 2, 2), 0),  # two consumers: a tile of one is no faster (tile_cost)
+    (1, 2, 97, 97, (128, 64, 2, 2), 0),
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,config,sms", MIXED_SMS, ids=[f"B{b}-H{h}-N{q}x{k}-x{c[3]}" for b, h, q, k, c, _ in MIXED_SMS])
+def test_mixed_sms(B, H, Nq, Nk, config, sms):
+    """The SM count the GPU checks lay a grid of two tile sizes out for: one that mixes, not split."""
+    from sdpatch.kernels.flash_fwd_hopper import tail_split, tile_plan
+
+    assert mixed_sms(B, H, Nq, Nk, config) == sms
+    if sms:
+        block_m, block_n, _, consumers = config
+        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
+        assert plan[2] + plan[4] > 0 and tail_split(-(-Nq // (block_m * consumers)) * B * H, sms, -(-Nk // block_n))[1] == 1
