@@ -23,9 +23,9 @@ with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where paddin
 A program holds an SM, so the grid runs in waves of query tiles; where the last wave would leave most
 SMs idle, its tiles are split along the keys into pieces that fill it, and a small Triton kernel
 merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`; v15). Where
-the last wave is full enough not to split, some heads may take tiles of a consumer fewer, so that
-every SM takes one tile of each size (:func:`tile_plan`; v16). A consumer with no rows in its
-program's tile only hands the K and V stages back.
+the last wave is too full to split, some heads may take tiles of a consumer fewer, so that the SMs
+finish together (:func:`tile_plan`; v16). A consumer with no rows in its program's tile only hands
+the K and V stages back.
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
 :func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
@@ -133,20 +133,26 @@ def tile_cost(active: int, consumers: int) -> float:
     return max(active, SERIAL_CONSUMERS) / max(consumers, SERIAL_CONSUMERS)
 
 
-def _head_costs(n_q: int, block_m: int, consumers: int, big: int, small: int) -> tuple[list, list]:
+@functools.lru_cache(maxsize=1024)
+def _head_costs(n_q: int, block_m: int, consumers: int, big: int, small: int) -> tuple[tuple, tuple]:
     """The costs of a head's ``big`` tiles of ``consumers`` x ``block_m`` rows and of the ``small``
     tiles of a consumer fewer after them; the last may have consumers past ``n_q``."""
     costs, row = [], 0
     for rows in [consumers * block_m] * big + [(consumers - 1) * block_m] * small:
         costs.append(tile_cost(min(rows, n_q - row + block_m - 1) // block_m, consumers))
         row += rows
-    return costs[:big], costs[big:]
+    return tuple(costs[:big]), tuple(costs[big:])
 
 
-def _makespan(costs: list, sms: int) -> float:
-    """When the last of a grid's programs ends, each taking the first SM free, in grid order."""
+def plan_time(plan: tuple, heads: int, n_q: int, sms: int, block_m: int, consumers: int) -> float:
+    """A :func:`tile_plan` plan's time in whole tiles' time, as the hardware dispatches a grid:
+    each program, in grid order, to the first SM free (:func:`tile_cost` a program)."""
+    heads1, big1, small1, big2, small2 = plan
+    bigs1, smalls1 = _head_costs(n_q, block_m, consumers, big1, small1)
+    bigs2, smalls2 = _head_costs(n_q, block_m, consumers, big2, small2)
+    n2 = heads - heads1
     free = [0.0] * sms
-    for c in costs:
+    for c in bigs1 * heads1 + bigs2 * n2 + smalls1 * heads1 + smalls2 * n2:
         heapq.heapreplace(free, free[0] + c)
     return max(free)
 
@@ -162,31 +168,21 @@ def tile_plan(heads: int, n_q: int, sms: int, block_m: int, consumers: int) -> t
     for a tile's time at its end: hd64 at 1024 tokens (B 2, H 20) is 240 tiles of 192 rows, 1.82
     waves. As 7 heads of eight 128-row tiles and 33 of four 192-row and two 128-row ones, it is
     132 tiles of 192 rows and 122 of 128, one of each an SM: 1.87 tiles' time, not 2; measured,
-    28.7 us against 30.6 (v16).
-    Searched over one or two kinds of head, by :func:`_makespan` of :func:`tile_cost`; whole
-    tiles, (heads, tiles a head, 0, 0, 0), unless a plan is :data:`MIXED_MIN_GAIN` faster."""
+    28.7 us against 30.6 (v16). Searched over one or two kinds of head, by :func:`plan_time`;
+    whole tiles, (heads, tiles a head, 0, 0, 0), unless a plan is :data:`MIXED_MIN_GAIN` faster."""
     tile = consumers * block_m
     m_tiles = -(-n_q // tile)
     whole = (heads, m_tiles, 0, 0, 0)
     tiles = heads * m_tiles
     if sms <= 0 or tiles <= sms or tiles > MIXED_MAX_WAVES * sms or tile_cost(consumers - 1, consumers) >= 1:
         return whole
-    kinds = {}  # (big, small) tiles a head, of every way to cover n_q rows with no tile to spare
-    for big in range(m_tiles + 1):
-        small = -(-max(n_q - big * tile, 0) // (tile - block_m))
-        kinds[big, small] = _head_costs(n_q, block_m, consumers, big, small)
-
-    def time(plan):
-        heads1, big1, small1, big2, small2 = plan
-        (bigs1, smalls1), (bigs2, smalls2) = kinds[big1, small1], kinds.get((big2, small2), ([], []))
-        n2 = heads - heads1
-        return _makespan(bigs1 * heads1 + bigs2 * n2 + smalls1 * heads1 + smalls2 * n2, sms)
-
+    # (big, small) tiles a head, of every way to cover n_q rows with no tile to spare
+    kinds = [(big, -(-max(n_q - big * tile, 0) // (tile - block_m))) for big in range(m_tiles + 1)]
     plans = [(heads, *kind, 0, 0) for kind in kinds]  # every head alike, or two kinds of head
     plans += [(heads1, *a, *b) for a in kinds for b in kinds if a < b for heads1 in range(1, heads)]
-    best, best_time = whole, time(whole) * (1 - MIXED_MIN_GAIN)
+    best, best_time = whole, plan_time(whole, heads, n_q, sms, block_m, consumers) * (1 - MIXED_MIN_GAIN)
     for plan in plans:
-        t = time(plan)
+        t = plan_time(plan, heads, n_q, sms, block_m, consumers)
         if t < best_time:
             best, best_time = plan, t
     return best
@@ -406,8 +402,8 @@ if gluon is not None:
         """Warpgroup WG: its BLOCK_M rows of the program's tile (:func:`_attend`), or, where the tile
         has none for it, the K and V stages handed back as they fill, which the producer counts
         on (the barriers count every consumer)."""
-        k_full, v_full, k_empty, v_empty = args[15], args[16], args[17], args[18]
-        pid_bh, row0, active, j0, j1, piece = _work(args[7], BLOCK_M, BLOCK_N, CONSUMERS, TAIL, MIXED)
+        (_, _, _, _, _, _, _, work, _, _, _, _, _, _, _, k_full, v_full, k_empty, v_empty, _, _) = args
+        pid_bh, row0, active, j0, j1, piece = _work(work, BLOCK_M, BLOCK_N, CONSUMERS, TAIL, MIXED)
         if WG < active:
             _attend(WG, args, pid_bh, row0 + WG * BLOCK_M, active, j0, j1, piece, BLOCK_M, BLOCK_N, D_LO, D_HI, STAGES,
                     STORE_LSE, EVEN_N, CONSUMERS, TAIL)

@@ -103,6 +103,46 @@ def split_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
     return tiles - 1 if tiles > 2 and tail_split(tiles, tiles - 1, triton.cdiv(Nk, block_n))[1] > 1 else 0
 
 
+def abba_call_us(fns: dict, rounds: int) -> dict[str, float]:
+    """Each zero-argument call's time per call in µs (``do_bench``: the L2 flushed before each
+    call), the median of ``rounds`` rounds that alternate the calls' order (ABBA), so that drift
+    between rounds falls on every call alike."""
+    from triton.testing import do_bench
+
+    calls = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            calls[name].append(1e3 * do_bench(fns[name], warmup=10, rep=60, return_mode="median"))
+    return {name: sorted(times)[rounds // 2] for name, times in calls.items()}
+
+
+def probe_start(doc: str):
+    """A GPU probe's start: its ``--json`` argument parsed, the native module built, the seed set."""
+    import argparse
+
+    from sdpatch.kernels import native
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    native.wait()
+    torch.manual_seed(0)
+    return args
+
+
+def show_row(row: dict, fmt: str = ".1f") -> None:
+    """A probe's row on one line, its floats in ``fmt``."""
+    print(" | ".join(f"{key} {val:{fmt}}" if isinstance(val, float) else f"{key} {val}" for key, val in row.items()), flush=True)
+
+
+def probe_rows_out(rows: list[dict], json_path: str | None) -> None:
+    """A probe's end: the environment, and its rows with it as JSON where asked."""
+    print(environment())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": environment(), "rows": rows}, f, indent=1)
+
+
 def mixed_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
     """SMs for the Gluon kernel's ``sms`` under which its grid is not split but mixes tiles of two
     sizes (``tile_plan``), tried at 1.3 to 3.6 waves of whole tiles; 0 where none does."""

@@ -12,27 +12,19 @@ flat is paid per launch.
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
-from sdpatch.kernels import native
 from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import config_for
 
-from _bench import environment, forward_baselines
+from _bench import abba_call_us, forward_baselines, probe_rows_out, probe_start, show_row
 
 ROUNDS = 4
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    native.wait()
-    torch.manual_seed(0)
+    args = probe_start(__doc__)
     block_m, _, _, consumers = config_for(64)
     rows = []
     for B, H, N in [(2, 11, 1152), (2, 22, 1152), (2, 33, 1152), (2, 44, 1152), (2, 20, 1024)]:
@@ -40,21 +32,15 @@ def main() -> None:
         fns = {"sdpatch": lambda: flash_attn_fwd(q, k, v, 0.125)[0], "cudnn": forward_baselines(q, k, v, 0.125)["cudnn"]}
         ref = fns["cudnn"]()
         assert ((fns["sdpatch"]().float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-        calls = {name: [] for name in fns}
-        for r in range(ROUNDS):
-            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                calls[name].append(1e3 * do_bench(fns[name], warmup=10, rep=60, return_mode="median"))
+        calls = abba_call_us(fns, ROUNDS)
         row = dict(B=B, H=H, N=N, tiles=B * H * -(-N // (block_m * consumers)))
         for name, fn in fns.items():
-            row[f"{name} call us"] = sorted(calls[name])[ROUNDS // 2]
+            row[f"{name} call us"] = calls[name]
             row[f"{name} graph us"] = 1e3 * do_bench_cudagraph(fn, rep=50, return_mode="median")
         rows.append(row)
-        print(" | ".join(f"{key} {val:.1f}" if isinstance(val, float) else f"{key} {val}" for key, val in row.items()), flush=True)
+        show_row(row)
         del q, k, v
-    print(environment())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    probe_rows_out(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,15 @@ def test_tile_plan(heads, n_q, sms, block_m, consumers, plan):
     assert fh.tile_plan(heads, n_q, sms, block_m, consumers) == (plan or whole)
 
 
+def test_plan_time():
+    """hd64 1024 (B 2, H 20): whole tiles take two tiles' time; the mixed plan one whole tile and
+    one of two consumers, 2.6 / 3 of it (SERIAL_CONSUMERS, measured in v16)."""
+    whole, mixed = (40, 6, 0, 0, 0), (7, 0, 8, 4, 2)
+    assert fh.plan_time(whole, 40, 1024, 132, 64, 3) == pytest.approx(2.0)
+    assert fh.plan_time(mixed, 40, 1024, 132, 64, 3) == pytest.approx(1 + 2.6 / 3)
+    assert fh.plan_time(whole, 40, 1024, 240, 64, 3) == pytest.approx(1.0)  # a wave holds them all
+
+
 def program_rows(plan, heads, n_q, block_m, consumers):
     """Each program's (head, first row, consumers with rows): the Gluon kernel's ``_work``, which
     runs only on a GPU, transcribed for the grid :func:`tile_plan` lays out."""
