@@ -38,6 +38,7 @@ import functools
 import heapq
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -186,6 +187,35 @@ def tile_plan(heads: int, n_q: int, sms: int, block_m: int, consumers: int) -> t
         if t < best_time:
             best, best_time = plan, t
     return best
+
+
+class Grid(NamedTuple):
+    """How a launch lays its query tiles over the SMs (:func:`grid_for`)."""
+
+    plan: tuple[int, int, int, int, int]  # :func:`tile_plan`'s (whole tiles where the grid is split)
+    whole: int  # programs that each take a whole tile's keys
+    splits: int  # programs each later tile is split into (:func:`tail_split`), 1 where none is
+    pieces: int  # those programs, after the whole ones
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some tiles are a consumer smaller."""
+        return self.plan[2] + self.plan[4] > 0
+
+
+def grid_for(heads: int, n_q: int, n_k: int, sms: int, config: tuple[int, int, int, int]) -> Grid:
+    """The grid over ``sms`` SMs (0: whole tiles, none split) for ``heads`` (batch x head) pairs
+    of ``n_q`` queries and ``n_k`` keys, with :func:`config_for`'s tiles: a short last wave split
+    (:func:`tail_split`), else :func:`tile_plan`'s tiles."""
+    block_m, block_n, _, consumers = config
+    m_tiles = triton.cdiv(n_q, consumers * block_m)
+    tiles = m_tiles * heads
+    whole, splits = tail_split(tiles, sms, triton.cdiv(n_k, block_n))
+    if splits > 1:  # the pieces' tiles are whole ones
+        return Grid((heads, m_tiles, 0, 0, 0), whole, splits, (tiles - whole) * splits)
+    plan = tile_plan(heads, n_q, sms, block_m, consumers)
+    heads1, big1, small1, big2, small2 = plan
+    return Grid(plan, heads1 * (big1 + small1) + (heads - heads1) * (big2 + small2), 1, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -699,31 +729,24 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
     block_m, block_n, stages, consumers = config or config_for(D)
     assert block_m % 64 == 0 and consumers in (2, 3), f"BLOCK_M={block_m}, {consumers} consumers: 64-row MMAs, 2 or 3 warpgroups"
     tile_m = consumers * block_m
-    m_tiles = triton.cdiv(Nq, tile_m)
-    tiles = m_tiles * B * H
-    sms = sm_count(q.get_device()) if sms is None else sms
-    whole, splits = tail_split(tiles, sms, triton.cdiv(Nk, block_n))
-    pieces = (tiles - whole) * splits
+    grid = grid_for(B * H, Nq, Nk, sm_count(q.get_device()) if sms is None else sms, (block_m, block_n, stages, consumers))
     part_o = part_l = None
-    if not pieces:
-        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
-        heads1, big1, small1, big2, small2 = plan
-        whole = heads1 * (big1 + small1) + (B * H - heads1) * (big2 + small2)
-    else:  # the pieces' tiles are whole ones
-        plan = (B * H, m_tiles, 0, 0, 0)
-        part_o = torch.empty(pieces, tile_m, d_lo + d_hi, device=q.device, dtype=torch.float32)
-        part_l = torch.empty(pieces, tile_m, device=q.device, dtype=torch.float32)
+    if grid.pieces:
+        part_o = torch.empty(grid.pieces, tile_m, d_lo + d_hi, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(grid.pieces, tile_m, device=q.device, dtype=torch.float32)
     args = (*descriptors(q, k, v, out, block_m, block_n), lse, part_o, part_l, scale * 1.44269504,  # 1/ln 2
-            H, Nq, Nk, whole, splits, B * H, *plan)
+            H, Nq, Nk, grid.whole, grid.splits, B * H, *grid.plan)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, CONSUMERS=consumers,
                   CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=Nk % block_n == 0,
-                  TAIL=pieces > 0, MIXED=plan[2] + plan[4] > 0, num_warps=4)
-    runs = [(_attn_fwd_hopper, (whole + pieces, 1, 1), args, consts)]
-    if pieces:
-        combine_args = (part_o, part_l, out, lse, *out.stride()[:3], H, Nq, m_tiles, whole, splits)
+                  TAIL=grid.pieces > 0, MIXED=grid.mixed, num_warps=4)
+    runs = [(_attn_fwd_hopper, (grid.whole + grid.pieces, 1, 1), args, consts)]
+    if grid.pieces:
+        m_tiles = grid.plan[1]
+        combine_args = (part_o, part_l, out, lse, *out.stride()[:3], H, Nq, m_tiles, grid.whole, grid.splits)
         combine_consts = dict(TILE_M=tile_m, DW=d_lo + d_hi, HEAD_DIM=D, BLOCK_R=COMBINE_ROWS,
                               BLOCK_D=triton.next_power_of_2(D), STORE_LSE=lse is not None, num_warps=4)
-        runs.append((_combine_pieces, (tiles - whole, tile_m // COMBINE_ROWS, 1), combine_args, combine_consts))
+        runs.append((_combine_pieces, (grid.pieces // grid.splits, tile_m // COMBINE_ROWS, 1), combine_args,
+                     combine_consts))
     return runs
 
 

@@ -94,13 +94,31 @@ def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
 def split_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
     """SMs for the Gluon kernel's ``sms`` that leave one query tile of this grid for a last wave,
     split into pieces (``tail_split``); 0 where none would be split. ``config`` as ``config_for``'s."""
-    import triton
+    from sdpatch.kernels.flash_fwd_hopper import grid_for
 
-    from sdpatch.kernels.flash_fwd_hopper import tail_split
+    tiles = grid_for(B * H, Nq, Nk, 0, config).whole
+    return tiles - 1 if tiles > 2 and grid_for(B * H, Nq, Nk, tiles - 1, config).splits > 1 else 0
 
-    block_m, block_n, _, consumers = config
-    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
-    return tiles - 1 if tiles > 2 and tail_split(tiles, tiles - 1, triton.cdiv(Nk, block_n))[1] > 1 else 0
+
+def mixed_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
+    """SMs for the Gluon kernel's ``sms`` under which its grid mixes tiles of two sizes
+    (``tile_plan``), tried at 1.3 to 3.6 waves of whole tiles; 0 where none does."""
+    from sdpatch.kernels.flash_fwd_hopper import grid_for
+
+    tiles = grid_for(B * H, Nq, Nk, 0, config).whole
+    for waves in (1.82, 1.7, 1.5, 1.3, 2.6, 3.6):
+        sms = max(2, int(tiles / waves))
+        if grid_for(B * H, Nq, Nk, sms, config).mixed:
+            return sms
+    return 0
+
+
+def grid_variants(B: int, H: int, Nq: int, Nk: int, config: tuple) -> list[tuple[str, int]]:
+    """(name, SMs) for the Gluon kernel's ``sms`` of each grid this shape can be laid out in
+    besides whole tiles: its last tile split (:func:`split_sms`), tiles of two sizes
+    (:func:`mixed_sms`)."""
+    variants = [("split", split_sms(B, H, Nq, Nk, config)), ("mixed", mixed_sms(B, H, Nq, Nk, config))]
+    return [(name, sms) for name, sms in variants if sms]
 
 
 def abba_call_us(fns: dict, rounds: int) -> dict[str, float]:
@@ -141,23 +159,6 @@ def probe_rows_out(rows: list[dict], json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": environment(), "rows": rows}, f, indent=1)
-
-
-def mixed_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
-    """SMs for the Gluon kernel's ``sms`` under which its grid is not split but mixes tiles of two
-    sizes (``tile_plan``), tried at 1.3 to 3.6 waves of whole tiles; 0 where none does."""
-    import triton
-
-    from sdpatch.kernels.flash_fwd_hopper import tail_split, tile_plan
-
-    block_m, block_n, _, consumers = config
-    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
-    for waves in (1.82, 1.7, 1.5, 1.3, 2.6, 3.6):
-        sms = max(2, int(tiles / waves))
-        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
-        if tail_split(tiles, sms, triton.cdiv(Nk, block_n))[1] == 1 and plan[2] + plan[4]:
-            return sms
-    return 0
 
 
 def probe_inputs(c: Case, device: str = "cuda"):

@@ -25,7 +25,7 @@ from sdpatch import attention
 from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper, native
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask, mixed_sms, peak_over, split_sms
+from _bench import grid_variants, make_mask, peak_over
 
 RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 failures: list[str] = []
@@ -127,18 +127,14 @@ def check_gluon(q, k, v, ref, name) -> None:
     served = flash_fwd_hopper.serves(q, k, v, None)
     report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
            f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, default calls {'served' if served else 'not served'}")
-    config = flash_fwd_hopper.config_for(q.shape[-1])
     # The whole output against the Triton kernel's: as this GPU's SMs lay the grid out, then with
     # its last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split; that tile is the
     # last head's), then in tiles of two sizes (tile_plan), where an SM count gives some.
-    for grid, sms in (("", None), (" split", split_sms(*q.shape[:3], k.shape[2], config)),
-                      (" mixed", mixed_sms(*q.shape[:3], k.shape[2], config))):
-        if sms == 0:
-            continue
+    for grid, sms in [("planned", None)] + grid_variants(*q.shape[:3], k.shape[2], flash_fwd_hopper.config_for(q.shape[-1])):
         out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True, sms=sms)
         e = rel(out, out_triton.double())
         e_lse = (lse - lse_triton).abs().max().item()
-        report(f"gluon{grid} over {sms or 'all'} SMs {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
+        report(f"gluon {grid} over {sms or 'all'} SMs {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
                f"whole output: rel err vs Triton's {e:.2e}, lse vs Triton's max diff {e_lse:.1e}")
 
 

@@ -22,7 +22,7 @@ from sdpatch.kernels.flash_fwd import flash_attn_fwd
 from sdpatch.kernels.flash_fwd_hopper import config_for, hopper_attn_fwd
 from sdpatch.reference import attention_ref
 
-from _bench import Case, environment, forward_baselines, mixed_sms, probe_inputs, probe_row, probe_summary, split_sms
+from _bench import Case, environment, forward_baselines, grid_variants, probe_inputs, probe_row, probe_summary
 from bench_kernels import CASES as BENCH_CASES
 
 # Issue 6's self-attention cases, and SD 1.5's second level at 512 x 512.
@@ -40,41 +40,45 @@ ODD = [(1, 2, 97, 97, 40, torch.float16, "bnhd"), (2, 3, 1025, 77, 40, torch.flo
        (2, 3, 1000, 2000, 64, torch.float16, "bnhd")]
 
 
-def check_odd(consumers: int, grid: str) -> list[dict]:
+def check_odd(consumers: int) -> list[dict]:
     """ODD's shapes against float64 with this many consumer warpgroups (three up to head dim 128:
-    above, three Q tiles and the K/V ring outgrow shared memory), in whole tiles, with a split last
-    tile, or in tiles of two sizes (``grid``: whole, split, mixed)."""
+    above, three Q tiles and the K/V ring outgrow shared memory), in whole tiles, then in each grid
+    ``grid_variants`` finds (a split last tile, tiles of two sizes)."""
     rows = []
     for B, H, Nq, Nk, D, dtype, layout in ODD:
         config = (*config_for(D)[:3], consumers)
-        sms = {"whole": 0, "split": split_sms, "mixed": mixed_sms}[grid]
-        sms = sms and sms(B, H, Nq, Nk, config)
-        if consumers > 2 and D > 128 or grid != "whole" and not sms:
+        if consumers > 2 and D > 128:
             continue
-        def r(n):
-            t = torch.randn(B, n, H, D, device="cuda", dtype=dtype)
-            return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
-
-        q, k, v = r(Nq), r(Nk), r(Nk)
-        scale = 1 / math.sqrt(D)
-        out, lse = hopper_attn_fwd(q, k, v, scale, return_lse=True, config=config, sms=sms)
-        ref = attention_ref(q, k, v)
-        s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
-        lse_ref = torch.logsumexp(s, -1) / math.log(2)
-        e = ((out.double() - ref).norm() / ref.norm()).item()
-        e_lse = (lse.double() - lse_ref).abs().max().item()
-        ok = e < 1e-2 and e_lse < 1e-2 and out.stride() == q.stride()
-        shape = f"B{B}-H{H}-N{Nq}x{Nk}-D{D}-{str(dtype)[6:]}-{layout} x{consumers}{f' {grid} over {sms}' if sms else ''}"
-        rows.append(dict(shape=shape, rel_err=e, lse_max_err=e_lse, ok=ok))
-        print(f"{'PASS' if ok else 'FAIL'} {rows[-1]['shape']}: rel err {e:.2e}, lse max err {e_lse:.2e}", flush=True)
+        for grid, sms in [("whole", 0)] + grid_variants(B, H, Nq, Nk, config):
+            rows.append(check_one(B, H, Nq, Nk, D, dtype, layout, config, grid, sms))
     return rows
+
+
+def check_one(B, H, Nq, Nk, D, dtype, layout, config, grid: str, sms: int) -> dict:
+    """One shape's output and log-sum-exp against float64, whole tensors, on this grid."""
+    def r(n):
+        t = torch.randn(B, n, H, D, device="cuda", dtype=dtype)
+        return t.transpose(1, 2) if layout == "bnhd" else t.transpose(1, 2).contiguous()
+
+    q, k, v = r(Nq), r(Nk), r(Nk)
+    scale = 1 / math.sqrt(D)
+    out, lse = hopper_attn_fwd(q, k, v, scale, return_lse=True, config=config, sms=sms)
+    ref = attention_ref(q, k, v)
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    lse_ref = torch.logsumexp(s, -1) / math.log(2)
+    e = ((out.double() - ref).norm() / ref.norm()).item()
+    e_lse = (lse.double() - lse_ref).abs().max().item()
+    ok = e < 1e-2 and e_lse < 1e-2 and out.stride() == q.stride()
+    shape = f"B{B}-H{H}-N{Nq}x{Nk}-D{D}-{str(dtype)[6:]}-{layout} x{config[3]}{f' {grid} over {sms}' if sms else ''}"
+    print(f"{'PASS' if ok else 'FAIL'} {shape}: rel err {e:.2e}, lse max err {e_lse:.2e}", flush=True)
+    return dict(shape=shape, rel_err=e, lse_max_err=e_lse, ok=ok)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
     args = ap.parse_args()
-    odd = [row for consumers in (2, 3) for grid in ("whole", "split", "mixed") for row in check_odd(consumers, grid)]
+    odd = check_odd(2) + check_odd(3)
     rows = []
     for c in CASES:
         q, k, v, scale, flops, error_of = probe_inputs(c)

@@ -34,7 +34,7 @@ from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, 
 from sdpatch.kernels.flash_fwd import _prune as fwd_prune
 from sdpatch.reference import attention_ref
 
-from _bench import make_mask, mixed_sms, split_sms
+from _bench import grid_variants, make_mask
 
 SHAPES = [  # B, H, Nq, Nk, D, mask, layout
     (1, 2, 97, 97, 40, None, "bnhd"),
@@ -119,10 +119,8 @@ def gluon() -> int:
         refs = [attention_ref(q[:1, :1, :256], k[:1, :1], v[:1, :1]), attention_ref(q[-1:, -1:, -256:], k[-1:, -1:], v[-1:, -1:])]
         calls = [(f"jit lse={lse}", lambda lse=lse: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, return_lse=lse)[0])
                  for lse in (False, True)]
-        for grid, sms in (("split", split_sms), ("mixed", mixed_sms)):
-            sms = sms(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))
-            if sms:
-                calls.append((f"{grid} over {sms} SMs", lambda sms=sms: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0]))
+        calls += [(f"{grid} over {sms} SMs", lambda sms=sms: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0])
+                  for grid, sms in grid_variants(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))]
         if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, the binary, the native replay
             calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2, 3)]
         for name, fn in calls:

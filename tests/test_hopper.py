@@ -223,6 +223,21 @@ def test_tile_plan(heads, n_q, sms, block_m, consumers, plan):
     assert fh.tile_plan(heads, n_q, sms, block_m, consumers) == (plan or whole)
 
 
+GRIDS = [  # (heads, Nq, Nk, SMs, config, (whole programs, splits, pieces, mixed))
+    (20, 4096, 4096, 132, (64, 128, 2, 3), (396, 3, 132, False)),  # hd64 4096: the last wave's 44 tiles in thirds
+    (40, 1024, 1024, 132, (64, 128, 2, 3), (254, 1, 0, True)),  # hd64 1024: tile_plan's 132 + 122 tiles
+    (16, 4096, 4096, 132, (128, 64, 2, 2), (256, 1, 0, False)),  # hd40 4096: whole tiles
+    (40, 1024, 1024, 0, (64, 128, 2, 3), (240, 1, 0, False)),  # no balancing asked
+]
+
+
+@pytest.mark.parametrize("heads,n_q,n_k,sms,config,grid", GRIDS, ids=[f"BH{h}-N{n}-S{s}-x{c[3]}" for h, n, _, s, c, _ in GRIDS])
+def test_grid_for(heads, n_q, n_k, sms, config, grid):
+    """A short last wave is split (tail_split); only a grid not split may mix tile sizes (tile_plan)."""
+    got = fh.grid_for(heads, n_q, n_k, sms, config)
+    assert (got.whole, got.splits, got.pieces, got.mixed) == grid
+
+
 def test_plan_time():
     """hd64 1024 (B 2, H 20): whole tiles take two tiles' time; the mixed plan one whole tile and
     one of two consumers, 2.6 / 3 of it (SERIAL_CONSUMERS, measured in v16)."""

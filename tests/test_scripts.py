@@ -205,11 +205,10 @@ MIXED_SMS = [  # (B, H, Nq, Nk, Gluon config, SMs): the GPU checks' grids of two
 
 @pytest.mark.parametrize("B,H,Nq,Nk,config,sms", MIXED_SMS, ids=[f"B{b}-H{h}-N{q}x{k}-x{c[3]}" for b, h, q, k, c, _ in MIXED_SMS])
 def test_mixed_sms(B, H, Nq, Nk, config, sms):
-    """The SM count the GPU checks lay a grid of two tile sizes out for: one that mixes, not split."""
-    from sdpatch.kernels.flash_fwd_hopper import tail_split, tile_plan
+    """The SM count the GPU checks lay a grid of two tile sizes out for: one whose grid mixes them."""
+    from sdpatch.kernels.flash_fwd_hopper import grid_for
 
     assert mixed_sms(B, H, Nq, Nk, config) == sms
     if sms:
-        block_m, block_n, _, consumers = config
-        plan = tile_plan(B * H, Nq, sms, block_m, consumers)
-        assert plan[2] + plan[4] > 0 and tail_split(-(-Nq // (block_m * consumers)) * B * H, sms, -(-Nk // block_n))[1] == 1
+        grid = grid_for(B * H, Nq, Nk, sms, config)
+        assert grid.mixed and grid.splits == 1 and grid.pieces == 0
