@@ -37,7 +37,6 @@ from .flash_fwd import (
     kernel_meta,
     launch,
     launch_grid,
-    launch_hooked,
     mask_kind,
     on_device,
     tile_configs,
@@ -45,7 +44,6 @@ from .flash_fwd import (
     vector_align,
 )
 from .flash_fwd_hopper import sm_count
-from .native import Site
 
 
 @triton.jit
@@ -360,7 +358,6 @@ def _tuned(kernel, configs):
 
 _dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
 _dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
-_native_bwd = Site(launch_hooked)  # the backward's native programs (see :mod:`.native`)
 
 
 def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
@@ -388,7 +385,6 @@ class _BwdPlan:
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
     tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
     sums: tuple | None = None  # the partial-sum kernel's (grid, scalars, constexprs), with query splits
-    native: bool | None = None  # whether the tuned launches have a native program (None: not yet tried)
 
 
 # Like the forward's launch plans: a training step repeats a few dozen layouts, and the host work
@@ -457,11 +453,6 @@ def flash_attn_bwd(
     sums added afterwards; None decides by the GPU's size (see :func:`default_query_splits`).
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
-    default = config is None and split_head_dim is None and query_splits is None
-    if default:  # a layout seen before, replayed natively
-        grads = _native_bwd.run((do, q, k, v, out, lse, mask), (scale,), q.get_device())
-        if grads is not None:
-            return grads
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
@@ -470,10 +461,7 @@ def flash_attn_bwd(
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     plan = _bwd_plans.get(key)
     if config is None and plan is not None and plan.tuned:  # the common case: a layout seen before
-        record = _native_bwd.recording(plan, q) if default else None
-        grads = _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask, record=record)
-        _native_bwd.register(plan, record, (do, q, k, v, out, lse, mask), (scale,), grads)
-        return grads
+        return _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
@@ -520,11 +508,10 @@ def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torc
     return torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32).unbind()
 
 
-def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None,
-                  record: list | None = None):
+def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None):
     """The backward's launches with tiles already chosen (``tuned``: each kernel's grid, scalars,
     constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and the dK/dV kernel's
-    targets) or new ones; ``record`` gets each launch, as :func:`launch` records them.
+    targets) or new ones.
 
     New dK and dV buffers are allocated after the dQ kernel's launch, so that the host's work
     overlaps that kernel instead of delaying it. Every gradient buffer is alive during the dK/dV
@@ -535,17 +522,17 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)
     with on_device(q):
         # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
-        launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key, record)
+        launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
         if dk is None:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             dk_out, dv_out = _dkdv_targets(dk, dv, plan.splits)
         launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
-               plan.binaries, kv_key, record)
-        _sum_splits(plan, dk_out, dv_out, dk, dv, record)
+               plan.binaries, kv_key)
+        _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 
 
-def _sum_splits(plan: _BwdPlan, dk_out, dv_out, dk, dv, record: list | None = None) -> None:
+def _sum_splits(plan: _BwdPlan, dk_out, dv_out, dk, dv) -> None:
     """With query splits, dK and dV as the sums of the splits' partials (one launch)."""
     if plan.splits == 1:
         return
@@ -554,4 +541,4 @@ def _sum_splits(plan: _BwdPlan, dk_out, dv_out, dk, dv, record: list | None = No
         scalars = (*dk_out.stride()[1:4], dk_out.stride(0), *dk.stride(), *dv.stride(), H, B * H, Nk, plan.splits)
         plan.sums = (launch_grid(Nk, B * H, _SUM_BLOCK_N), scalars, dict(HEAD_DIM=D, BLOCK_N=_SUM_BLOCK_N, BLOCK_D=plan.block_d))
     grid, scalars, consts = plan.sums
-    launch(_bwd_sum_splits, grid, (dk_out, dv_out, dk, dv, *scalars), consts, plan.binaries, "sum", record)
+    launch(_bwd_sum_splits, grid, (dk_out, dv_out, dk, dv, *scalars), consts, plan.binaries, "sum")

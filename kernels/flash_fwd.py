@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from . import flash_fwd_hopper
-from .native import Site
 
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -426,9 +425,6 @@ def launch_hooked() -> bool:
     return any(getattr(h, "calls", h) for h in hooks)  # triton >= 3.6: a chain, empty when unhooked
 
 
-_native_fwd = Site(launch_hooked)  # the forward's native programs (see :mod:`.native`)
-
-
 def current_device_and_stream():
     """The current CUDA device's index, and the function giving a device's current stream, as Triton has them."""
     from triton.runtime import driver
@@ -461,7 +457,7 @@ class Binary:
                  *args, *self.consts)
 
 
-def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key, record: list | None = None) -> None:
+def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
     """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
     arguments, specializing on them, compiling or finding the binary), later straight to that
     binary (:class:`Binary`).
@@ -470,20 +466,15 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key, 
     a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
     integer argument (sizes, strides), each pointer's 16-byte alignment, and the constexprs; the
     launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
-    parameters; ``consts`` its constexprs and launch options. ``record``, if given, gets the
-    launch's ``(binary, grid, args)``, or None where it went through the JIT (see :mod:`.native`).
+    parameters; ``consts`` its constexprs and launch options.
     """
     binary = binaries.get(key)
     if binary is not None:
         try:
             binary(grid, args)
-            if record is not None:
-                record.append((binary, grid, args))
             return
         except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
             _no_direct_launch(binaries, e)
-    if record is not None:
-        record.append(None)
     compiled = kernel[grid](*args, **consts)
     if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
         try:  # the binary takes the constexprs too, in the kernel's parameter order
@@ -573,7 +564,6 @@ class _Plan:
     config: dict | None = None  # the autotuner's pick, once it has tuned this shape
     binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
     tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
-    native: bool | None = None  # whether the tuned launch has a native program (None: not yet tried)
 
 
 # (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
@@ -605,20 +595,16 @@ def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple
 _hopper_plans: dict[tuple, _Plan] = {}  # the Gluon kernel's launches, by layout (see _hopper_fwd)
 
 
-def _hopper_fwd(q, k, v, scale: float, return_lse: bool, options: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _hopper_fwd(q, k, v, scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A default call on the Gluon Hopper kernel, launched as the Triton kernel's are: through the
-    JIT once per layout, then straight to its binary, and recorded for the native path, which
-    encodes its TMA descriptors in C++: 12-21 us of host time a call, where the JIT took 0.1-0.2 ms
-    (docs/benchmarks.md, v13)."""
+    JIT once per layout, then straight to its binary (:func:`launch`)."""
     plan = cached_plan(_hopper_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
                        lambda: _Plan({}))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    record = _native_fwd.recording(plan, q)
     with on_device(q):
         for i, (kernel, grid, args, consts) in enumerate(flash_fwd_hopper.launches(q, k, v, out, lse, scale)):
-            launch(kernel, grid, args, consts, plan.binaries, ("gluon", i), record)
-    _native_fwd.register(plan, record, (q, k, v, None), options, (out, lse))
+            launch(kernel, grid, args, consts, plan.binaries, ("gluon", i))
     return out, lse
 
 
@@ -659,20 +645,13 @@ def flash_attn_fwd(
     on the Gluon Hopper kernel instead.
     """
     default = config is None and split_head_dim is None and kv_tma is None
-    # Native programs are recorded per layout and options, whichever kernel served: whether the
-    # Gluon kernel may serve is among the options.
-    options = (scale, float(return_lse), float(flash_fwd_hopper.on()))
-    if default:  # a layout seen before, replayed natively
-        found = _native_fwd.run((q, k, v, mask), options, q.get_device())
-        if found is not None:
-            return found
-        if flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, unmasked self-attention
-            try:
-                return _hopper_fwd(q, k, v, scale, return_lse, options)
-            except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
-                raise
-            except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
-                flash_fwd_hopper.disable(e)
+    if default and flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, unmasked self-attention
+        try:
+            return _hopper_fwd(q, k, v, scale, return_lse)
+        except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
+            flash_fwd_hopper.disable(e)
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
@@ -686,9 +665,7 @@ def flash_attn_fwd(
         if tuned:  # the common case: a layout seen before, its launch worked out then
             grid, scalars, consts, key = tuned
             kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
-            record = _native_fwd.recording(plan, q) if default else None
-            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key, record)
-            _native_fwd.register(plan, record, (q, k, v, mask), options, (out, lse))
+            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
             return out, lse
         config = config or plan.config
         scalars = fwd_scalars(q, k, v, mask, out, scale)

@@ -11,7 +11,14 @@ Backends:
 
 Faults (see :func:`attention`): a call that runs out of memory is retried on the chunked backend
 at a smaller budget; a Triton kernel that fails to compile or launch makes ``auto`` use chunked
-for such calls from then on, and makes an explicit ``"triton"`` raise.
+for such calls from then on, and makes an explicit ``"triton"`` raise. Neither happens inside a
+``torch.compile`` trace or a CUDA-graph capture, which cannot re-run a call: there the error is
+raised to the caller (see :func:`attention`).
+
+Graphs and compilers: eager calls launch the kernels straight from Python; under ``torch.compile``
+the triton backend is the custom op ``torch.ops.sdpatch.flash_fwd`` (:mod:`sdpatch.ops`), chosen
+at trace time, with its backward op as its autograd formula. Nothing here keeps per-call state that
+a captured graph or a compiled region would have to replay.
 
 Mask convention, shared by every backend: a boolean mask keeps True entries; a float mask is
 added to the scaled scores; a query row whose keys are all masked out gives zeros (not NaN).
@@ -254,6 +261,10 @@ def _sdpa(q, k, v, scale, mask):
 
 
 def _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast):
+    if name == "triton" and torch.compiler.is_compiling():
+        from . import ops  # noqa: F401 (registers torch.ops.sdpatch)
+
+        return torch.ops.sdpatch.flash_fwd(q, k, v, mask, scale, needs_grad)[0]
     if name == "triton":
         if not needs_grad:  # inference skips autograd's bookkeeping: it shows at 10-50 us kernels
             return _kernels()[0].flash_attn_fwd(q, k, v, scale, mask)[0]
@@ -301,7 +312,9 @@ def attention(
     Returns:
         (B, H, Nq, D) in q's dtype, laid out like q.
 
-    Faults, handled here and only here:
+    Faults, handled here and only here, in eager calls (inside a ``torch.compile`` trace or a
+    CUDA-graph capture every error is raised to the caller, which must run the call eagerly to get
+    these retries; :mod:`sdpatch.graphs` does):
 
     - ``torch.OutOfMemoryError`` on any backend: the call is retried on the chunked backend at a
       quarter of ``chunk_budget`` (default 64 MiB), halved on each further OOM down to
@@ -316,6 +329,11 @@ def attention(
     """
     mask, scale = _validate(q, k, v, attn_mask, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if torch.compiler.is_compiling():  # chosen once, at trace time; no retries inside a graph
+        if q.numel() == 0:
+            return q * 0
+        name = _traced_choice(q.device, q.dtype, q.shape[-1], backend)
+        return _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
     key = (q.device, q.dtype, q.shape[-1], backend) if q.is_cuda else None
     choice = _cuda_choices.get(key) if key else None
     if choice is None:
@@ -327,6 +345,8 @@ def attention(
     try:
         return _run(choice.name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
     except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError from 2.5 on; the same class
+        if _capturing(q):
+            raise
         reason = f"out of memory: {first_line(err)}"
         budget = (DEFAULT_CHUNK_BUDGET if chunk_budget is None else chunk_budget) // 4
         _warn_once(
@@ -337,7 +357,7 @@ def attention(
             budget / 2**20,
         )
     except Exception as err:  # noqa: BLE001 (whatever the Triton launch raises: see the docstring)
-        if choice.name != "triton":
+        if choice.name != "triton" or _capturing(q):
             raise
         # Triton's CompilationError starts with the source location; its error_message says what failed.
         reason = f"{type(err).__name__}: {getattr(err, 'error_message', None) or first_line(err)}"
@@ -363,6 +383,20 @@ def attention(
     if on_fallback is not None:
         on_fallback(Fallback(choice.name, reason, budget))
     return out
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether this call is being recorded into a CUDA graph: a retry would record half a call."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _traced_choice(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str) -> str:
+    """:func:`choose_backend`'s pick, a constant of the trace: the trace keeps it until recompiled."""
+    return choose_backend(device=device, dtype=dtype, head_dim=head_dim, backend=backend).name
+
+
+if hasattr(torch, "_dynamo"):  # evaluated at trace time, not traced: its caches are plain Python
+    _traced_choice = torch._dynamo.assume_constant_result(_traced_choice)
 
 
 def _chunked_retry(q, k, v, scale, mask, budget, upcast) -> tuple[torch.Tensor, int]:

@@ -251,7 +251,6 @@ def info() -> None:
     for name, status in env["backends"].items():
         mark = "yes" if status["available"] else "no "
         typer.echo(f"  {name:<8} {mark}  {status['reason']}")
-    typer.echo(f"native launch path: {env['native_launch']}")
 
 
 SizesOpt = Annotated[

@@ -624,17 +624,7 @@ def environment() -> dict[str, Any]:
         "gpus": gpus,
         "backends_device": str(device),
         "backends": {name: {"available": ok, "reason": why} for name, (ok, why) in status.items()},
-        "native_launch": native_launch_status(device, status.get("triton", (False, ""))[0]),
     }
-
-
-def native_launch_status(device: torch.device, triton_ok: bool) -> str:
-    """Whether the triton backend's launches go through sdpatch's C++ launch path (CUDA only)."""
-    if device.type != "cuda" or not triton_ok:
-        return "not used (it serves the triton backend on CUDA)"
-    from .kernels import native
-
-    return native.status()
 
 
 def check_folder(folder: Path, what: str) -> None:
