@@ -13,6 +13,8 @@ from .attention import (
 from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
 from .planner import Plan, apply_plan, fit, plan, remove_plan
 from .processor import SdpatchAttnProcessor
+from .speed import apply_speed as speed_up
+from .speed import remove_speed
 
 __version__ = "0.1.0"
 
@@ -34,5 +36,7 @@ __all__ = [
     "patch_unet",
     "plan",
     "remove_plan",
+    "remove_speed",
+    "speed_up",
     "unpatch_unet",
 ]

@@ -205,6 +205,8 @@ def _validate(q, k, v, attn_mask, scale) -> tuple[torch.Tensor | None, float]:
 
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    elif torch.compiler.is_compiling():  # a trace may carry the scale as a symbolic float
+        pass
     elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
 

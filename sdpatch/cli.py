@@ -112,6 +112,23 @@ BestEffortOpt = Annotated[
         "--best-effort", help="With --vram-budget: run the best plan even when it cannot fit, and report the miss."
     ),
 ]
+CudaGraphsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Capture the UNet's call once per shape and replay it every step (CUDA). Default: on for a patched "
+        "pipeline without --vram-budget; off for --backend stock, which runs diffusers as it is.",
+        show_default=False,
+    ),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile the UNet's transformer blocks (regional compilation), with on-disk caches: the first "
+        "run at a size compiles, later ones start from the cache.",
+    ),
+]
 PromptsFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -187,6 +204,8 @@ def generate(
     allow_pickle: AllowPickleOpt = False,
     vram_budget: VramBudgetOpt = None,
     best_effort: BestEffortOpt = False,
+    cuda_graphs: CudaGraphsOpt = None,
+    compile: CompileOpt = False,
 ) -> None:
     if (prompt is None) == (prompts_file is None):
         raise InputError("give a PROMPT or --prompts-file FILE" + (", not both" if prompt is not None else ""))
@@ -217,6 +236,8 @@ def generate(
         report_json=report_json,
         allow_pickle=allow_pickle,
         on_image=lambda record: typer.echo(f"saved {record.path}"),
+        cuda_graphs=cuda_graphs,
+        compile=compile,
     )
     if prompts_file is not None:
         multi = run_prompts(request, prompts_file, **options)

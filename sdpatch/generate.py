@@ -134,6 +134,7 @@ class GenerationReport:
     weights: dict[str, int]
     patch: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None  # the --vram-budget plan (sdpatch.planner.Plan.to_dict)
+    speed: dict[str, Any] | None = None  # CUDA graphs and compilation: what was applied, what they did
     notes: list[str] = field(default_factory=list)
     images: list[ImageRecord] = field(default_factory=list)
     complete: bool = False
@@ -163,6 +164,7 @@ class GenerationReport:
             "notes": self.notes,
             "patch": self.patch,
             "plan": self.plan,
+            "speed": self.speed,
             "environment": versions(),
         }
 
@@ -200,6 +202,7 @@ class GenerationReport:
                     f"fallbacks: {calls} attention calls in {len(falls)} layers ran chunked after "
                     f"{last['backend']} failed ({last['reason']})"
                 )
+        lines.extend(speed_lines(self.speed))
         if n > 1:
             lines.append(f"time: mean per image; peaks: highest over the {n} images")
         denoise = next((p for p in phases if p.name == "denoising"), None)
@@ -227,6 +230,23 @@ class GenerationResult:
 
     images: list[Image.Image]
     report: GenerationReport
+
+
+def speed_lines(speed: dict[str, Any] | None) -> list[str]:
+    """The report's lines on CUDA graphs and compilation."""
+    if not speed:
+        return []
+    lines = []
+    for name, st in (speed.get("graphs") or {}).items():
+        eager = st["eager_calls"]
+        lines.append(
+            f"CUDA graphs ({name}): {st['graphs']} captured in {st['capture_s']:.2f} s, pool "
+            f"{format_bytes(st['pool_bytes'])}, {st['replays']} calls replayed, {eager} eager"
+            + (f" ({'; '.join(f'{r}: {n}' for r, n in st['eager_reasons'].items())})" if eager else "")
+        )
+    if speed.get("compile"):
+        lines.append("compiled: the UNet's transformer blocks (torch.compile, regional; on-disk caches)")
+    return lines
 
 
 def measured_call(
@@ -304,6 +324,7 @@ def generate(
     progress: bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
     plan: dict[str, Any] | None = None,
+    speed: dict[str, Any] | None = None,
 ) -> GenerationResult:
     """Generate ``request`` on a loaded (and maybe patched) pipeline, one image at a time.
 
@@ -321,6 +342,7 @@ def generate(
         progress: show diffusers' progress bar for the denoising loop (the only bar).
         on_image: called with each image's record once it is written.
         plan: the memory plan applied to ``pipe`` (:meth:`sdpatch.planner.Plan.to_dict`), for the report.
+        speed: the speed levers applied to ``pipe`` (:meth:`sdpatch.speed.SpeedSetup.to_dict`), for the report.
     """
     request.validate()
     timesteps = pipe.scheduler.config.num_train_timesteps
@@ -375,6 +397,7 @@ def generate(
         report.images.append(record)
         report.complete = index == request.num_images - 1
         report.patch = _patch_report(pipe)
+        report.speed = _speed_report(pipe, speed)
         if report_json is not None:
             write_json(report_json, report.to_dict())
         if on_image is not None:
@@ -397,6 +420,8 @@ def run(
     on_image: Callable[[ImageRecord], None] | None = None,
     vram_budget: float | str | None = None,
     best_effort: bool = False,
+    cuda_graphs: bool | None = None,
+    compile: bool = False,
 ) -> GenerationResult:
     """What ``sdpatch generate`` does: check every input, then load, patch and generate.
 
@@ -404,13 +429,16 @@ def run(
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
     ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
     before generating; a budget that cannot be met raises InputError then, unless ``best_effort``.
+    ``cuda_graphs`` (None: on for a patched pipeline on CUDA, unless a budget is planned) and
+    ``compile``: see :func:`sdpatch.speed.apply_speed`.
     """
     request.validate()
     if vram_budget is not None:
         parse_budget(vram_budget)
     elif best_effort:
         raise InputError("--best-effort is only used with --vram-budget")
-    setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle)
+    setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle,
+                        cuda_graphs=cuda_graphs, compile=compile, planned=vram_budget is not None)
     outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
     if report_json is not None:
         check_output_file(report_json, overwrite=overwrite, what="--report-json")
@@ -441,6 +469,7 @@ def run(
             progress=progress,
             on_image=on_image,
             plan=plan,
+            speed=setup.speed,
         )
     except BackendUnavailableError as err:  # e.g. --backend triton, whose kernel failed to compile mid-run
         raise InputError(str(err)) from err
@@ -455,19 +484,40 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     notes: list[str]
+    cuda_graphs: bool = False
+    compile: bool = False
+    speed: dict[str, Any] = field(default_factory=dict)  # what load() applied (SpeedSetup.to_dict)
 
     def load(self) -> Any:
-        """Load the pipeline on its device and patch it with the backend."""
+        """Load the pipeline on its device, patch it with the backend, apply the speed levers."""
+        from sdpatch.speed import apply_speed
+
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
         pipe = load_pipeline(self.source, device=self.device, dtype=self.dtype)
         apply_backend(pipe, self.backend)
+        applied = apply_speed(pipe, cuda_graphs=self.cuda_graphs, compile=self.compile)
+        self.speed.update(applied.to_dict())
+        self.notes.extend(applied.notes)
         return pipe
 
 
-def check_setup(*, model: str, backend: str, device: str, dtype: str, allow_pickle: bool) -> Setup:
-    """Check the model, backend, device and dtype a run names; raise InputError for a bad one."""
+def check_setup(
+    *,
+    model: str,
+    backend: str,
+    device: str,
+    dtype: str,
+    allow_pickle: bool,
+    cuda_graphs: bool | None = None,
+    compile: bool = False,
+    planned: bool = False,
+) -> Setup:
+    """Check the model, backend, device and dtype a run names; raise InputError for a bad one.
+
+    ``cuda_graphs`` None is on for a patched pipeline on CUDA without a memory plan (``planned``):
+    the graphs' pool is memory the planner does not budget, and ``stock`` means diffusers as it is."""
     if backend not in GENERATE_BACKENDS:
         raise InputError(f"unknown backend {backend!r}: use one of {', '.join(GENERATE_BACKENDS)}")
     torch_device = resolve_device(device)
@@ -477,7 +527,12 @@ def check_setup(*, model: str, backend: str, device: str, dtype: str, allow_pick
         if not ok:
             raise InputError(f"backend {backend!r} cannot run on {torch_device}: {why}")
     source = resolve_model(model, allow_pickle=allow_pickle)
-    return Setup(source, backend, torch_device, torch_dtype, [dtype_note] if dtype_note else [])
+    notes = [dtype_note] if dtype_note else []
+    if cuda_graphs is None:
+        cuda_graphs = torch_device.type == "cuda" and backend != "stock" and not planned
+        if planned and torch_device.type == "cuda" and backend != "stock":
+            notes.append("CUDA graphs off: --vram-budget plans memory without their pool")
+    return Setup(source, backend, torch_device, torch_dtype, notes, cuda_graphs=cuda_graphs, compile=compile)
 
 
 def apply_backend(pipe: Any, backend: str) -> None:
@@ -646,6 +701,16 @@ def atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
     except BaseException:  # KeyboardInterrupt too: never leave the temporary file behind
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _speed_report(pipe: Any, speed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The speed levers applied, with what each graphed component's graphs did so far."""
+    from sdpatch.speed import graph_stats
+
+    stats = graph_stats(pipe)
+    if not speed and not stats:
+        return None
+    return {**(speed or {}), "graphs": stats}
 
 
 def _patch_report(pipe: Any) -> dict[str, Any] | None:

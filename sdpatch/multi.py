@@ -337,13 +337,16 @@ def run_prompts(
     allow_pickle: bool = False,
     progress: bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
+    cuda_graphs: bool | None = None,
+    compile: bool = False,
 ) -> MultiResult:
     """What ``sdpatch generate --prompts-file`` does in each process (see the module docstring).
 
     ``request`` holds every setting but the prompt; ``output`` is a folder (default: the current
     one); the merged report goes to ``report_json``, by default ``sdpatch-report.json`` in that
     folder, and each process's partial report beside it. Every input is checked, by every
-    process, before anything is loaded or written; a bad one raises InputError.
+    process, before anything is loaded or written; a bad one raises InputError. ``cuda_graphs``
+    and ``compile`` as :func:`sdpatch.generate.run`'s: one graph per shape serves every prompt.
     """
     request.validate()
     prompts = read_prompts(prompts_file)
@@ -375,7 +378,8 @@ def run_prompts(
         if state.num_processes > 1:
             broadcast_object_list(run_id)  # the last collective: nothing has run that could fail yet
         setup = check_setup(
-            model=model, backend=backend, device=_process_device(state, device), dtype=dtype, allow_pickle=allow_pickle
+            model=model, backend=backend, device=_process_device(state, device), dtype=dtype, allow_pickle=allow_pickle,
+            cuda_graphs=cuda_graphs, compile=compile,
         )
         with state.split_between_processes(prompts) as share:
             mine = list(share)
@@ -521,6 +525,7 @@ def _run_share(
                         notes=[*setup.notes, *notes.get(prompt.index, [])],
                         progress=progress,
                         on_image=done,
+                        speed=setup.speed,
                     )
                     process.size = (result.report.request.width, result.report.request.height)
                     process.patch = result.report.patch

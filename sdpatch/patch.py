@@ -150,6 +150,7 @@ def patch_unet(
     include_vae: bool = True,
     chunk_budget: int | None = None,
     recompute: bool = False,
+    cuda_graphs: bool = False,
 ) -> PatchReport:
     """Serve the attention layers of a diffusers model or pipeline with :func:`sdpatch.attention`.
 
@@ -168,6 +169,10 @@ def patch_unet(
             and the attention output: less peak memory for a slower step (see
             :class:`SdpatchAttnProcessor`). No effect on calls that build no graph (inference,
             ``torch.no_grad``, frozen layers on frozen inputs).
+        cuda_graphs: also replay the UNet's (and a ControlNet's) calls from CUDA graphs, one per
+            input shape, captured after a warm-up call (:func:`sdpatch.speed_up`; needs the model
+            on CUDA and not offloaded, and inference). Without it, graphs applied earlier stay, and
+            are dropped, since the processors they captured changed.
 
     Returns:
         A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the
@@ -206,6 +211,10 @@ def patch_unet(
             raise BackendUnavailableError(f"attention layer {name!r}: {err}") from err
         plan.append((name, attn, original))
 
+    from . import graphs, speed
+
+    for _, module in graphs.graphed_components(target):
+        graphs.reset(module)  # their graphs captured the processors replaced here
     for name, attn, original in plan:
         fused = type(original) is _FUSED
         attn.set_processor(
@@ -216,6 +225,9 @@ def patch_unet(
         "%d attention layers patched (backend=%s, recompute=%s), %d kept",
         len(plan), backend, recompute, len(layers) - len(plan),
     )
+    if cuda_graphs:
+        for note in speed.apply_speed(target, cuda_graphs=True, compile=False).notes:
+            logger.warning("sdpatch: %s", note)
     return patch_report(target, include_vae=include_vae)
 
 
@@ -223,8 +235,11 @@ def unpatch_unet(target: object) -> object:
     """Put back the processor objects that :func:`patch_unet` replaced, and return ``target``.
 
     Layers whose processor was changed by someone else since patching keep that processor.
-    A pipeline's VAE is always included.
+    A pipeline's VAE is always included. CUDA graphs applied with ``cuda_graphs=True`` are released.
     """
+    from .speed import remove_speed
+
+    remove_speed(target)
     for _, attn in _attention_layers(target, include_vae=True):
         if isinstance(attn.processor, SdpatchAttnProcessor) and hasattr(attn, _ORIGINAL):
             attn.set_processor(getattr(attn, _ORIGINAL))

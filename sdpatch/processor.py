@@ -150,7 +150,8 @@ class SdpatchAttnProcessor:
         if attn.norm_k is not None:
             key = attn.norm_k(key)
 
-        self.last_call = LastCall(query.shape[2], key.shape[2], query.dtype, query.device)
+        if not torch.compiler.is_compiling():  # a report of eager calls; a trace would replay it as a side effect
+            self.last_call = LastCall(query.shape[2], key.shape[2], query.dtype, query.device)
         try:
             hidden_states = attention(
                 query,

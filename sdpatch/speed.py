@@ -1,0 +1,128 @@
+"""Host-side speed levers for a pipeline's denoising loop: CUDA graphs and regional compilation.
+
+- **CUDA graphs** (:mod:`sdpatch.graphs`): the UNet's (and ControlNet's) call captured once per input
+  signature and replayed every step; on by default for ``sdpatch generate`` on CUDA.
+- **Regional compilation** (``--compile``): ``torch.compile`` of the UNet's repeated transformer
+  blocks, as diffusers' ``compile_repeated_blocks`` does, so that one block's compile serves every
+  block of its shape, with inductor's on-disk caches kept under ``~/.cache/sdpatch/inductor`` (or
+  ``TORCHINDUCTOR_CACHE_DIR``), so that the next process at the same size starts from them. sdpatch's
+  attention is an opaque custom op inside the compiled blocks (:mod:`sdpatch.ops`). The graphs then
+  capture the compiled blocks too.
+
+:func:`apply_speed` applies them; :func:`remove_speed` undoes the graphs (a compiled block stays
+compiled: ``torch.compile`` has no undo, and a compiled block computes what the eager one does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import graphs
+
+logger = logging.getLogger(__name__)
+
+REPEATED_BLOCKS = ("BasicTransformerBlock",)  # what diffusers' UNets list as `_repeated_blocks`
+CACHE_DIR = Path.home() / ".cache" / "sdpatch" / "inductor"
+
+
+@dataclass
+class SpeedSetup:
+    """Which levers a run asked for, and why any of them is off."""
+
+    cuda_graphs: bool
+    compile: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cuda_graphs": self.cuda_graphs, "compile": self.compile, "notes": list(self.notes)}
+
+
+def apply_speed(pipe: Any, *, cuda_graphs: bool, compile: bool) -> SpeedSetup:
+    """Apply the levers to ``pipe``'s denoising components; returns what was applied.
+
+    CUDA graphs need the components on a CUDA device and not offloaded; where they are not,
+    the lever is off and a note says why (the runner would run every call eagerly anyway).
+    """
+    setup = SpeedSetup(cuda_graphs=False, compile=False)
+    components = graphs.graphed_components(pipe)
+    if compile:
+        compiled = [name for name, module in components if compile_blocks(module)]
+        setup.compile = bool(compiled)
+        if not compiled:
+            setup.notes.append("--compile: no repeated transformer blocks to compile")
+    if cuda_graphs:
+        reason = _graphs_unavailable(components)
+        if reason is None:
+            for _, module in components:
+                graphs.capture(module)
+            setup.cuda_graphs = True
+        else:
+            setup.notes.append(f"CUDA graphs off: {reason}")
+    return setup
+
+
+def remove_speed(pipe: Any) -> Any:
+    """Undo :func:`apply_speed`'s graphs; returns ``pipe``."""
+    for _, module in graphs.graphed_components(pipe):
+        graphs.release(module)
+    return pipe
+
+
+def graph_stats(pipe: Any) -> dict[str, dict] | None:
+    """Each graphed component's :class:`sdpatch.graphs.GraphStats`, or None where none is graphed."""
+    stats = {name: r.stats.to_dict() for name, m in graphs.graphed_components(pipe) if (r := graphs.runner_of(m))}
+    return stats or None
+
+
+def _graphs_unavailable(components: list[tuple[str, torch.nn.Module]]) -> str | None:
+    if not components:
+        return "the pipeline has no UNet or ControlNet"
+    for name, module in components:
+        p = next(module.parameters(), None)
+        if p is None or p.device.type != "cuda":
+            return f"the {name} is not on a CUDA device"
+        if graphs._offloaded(module):
+            return f"the {name} is offloaded (its weights move between calls)"
+    return None
+
+
+def compile_blocks(module: torch.nn.Module, **options) -> bool:
+    """``torch.compile`` each repeated transformer block of ``module`` (diffusers' regional
+    compilation), with the on-disk caches on; whether any block was found."""
+    use_caches()
+    if hasattr(module, "compile_repeated_blocks") and getattr(module, "_repeated_blocks", None):
+        try:
+            module.compile_repeated_blocks(fullgraph=True, **options)
+            return True
+        except ValueError:  # the model names blocks it does not have
+            return False
+    found = False
+    for sub in module.modules():  # diffusers before regional compilation: the same, by class name
+        if type(sub).__name__ in REPEATED_BLOCKS:
+            sub.compile(fullgraph=True, **options)
+            found = True
+    return found
+
+
+def use_caches() -> None:
+    """Inductor's on-disk caches on, in a folder that outlives /tmp (unless the user chose one)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+    except (ImportError, AttributeError):  # an inductor without the option: its defaults
+        pass
+    try:
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "enable_autograd_cache"):
+            functorch_config.enable_autograd_cache = True
+    except ImportError:
+        pass
