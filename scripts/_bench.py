@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import subprocess
@@ -25,16 +24,6 @@ class Case:
     dtype: str = "fp16"
     backward: bool = False
     sdpatch_backend: str = "triton"
-
-
-# The forward probes' cases: SD's self-attention where the softmax weighs most (head dim 64, and 40
-# padded to 64), in diffusers' (B, N, H, D) layout.
-PROBE_CASES = [
-    Case("hd40 4096", 2, 8, 4096, 4096, 40),
-    Case("hd40 16384", 2, 8, 16384, 16384, 40),
-    Case("hd64 4096", 2, 10, 4096, 4096, 64),
-    Case("hd64 1024", 2, 20, 1024, 1024, 64),
-]
 
 
 def chosen(c: Case, only: str | None) -> bool:
@@ -74,23 +63,6 @@ def case_tensors(c: Case, device: str = "cuda") -> tuple:
     return (q, k, v, torch.randn_like(q), out, lse)
 
 
-def probe_row(case: str, impl: str, fn, flops: float, error_of) -> dict:
-    """One probe measurement: ``fn``'s result checked by ``error_of`` (a relative error), then its
-    kernel time by CUDA-graph replay; a tile that cannot compile or fit is recorded, not raised."""
-    from triton.testing import do_bench_cudagraph
-
-    row = {"case": case, "impl": impl, "tflops": None, "rel_err": None, "error": None}
-    try:
-        row["rel_err"] = error_of(fn())
-        row["tflops"] = flops / do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e9
-    except Exception as e:  # noqa: BLE001
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    tf = "–" if row["tflops"] is None else f"{row['tflops']:.0f} TFLOP/s"
-    outcome = row["error"] or f"rel err {row['rel_err']:.1e}"
-    print(f"{case:15s} {impl:30s} {tf:>14s}  {outcome}", flush=True)
-    return row
-
-
 def split_sms(B: int, H: int, Nq: int, Nk: int, config: tuple) -> int:
     """SMs for the Gluon kernel's ``sms`` that leave one query tile of this grid for a last wave,
     split into pieces (``tail_split``); 0 where none would be split. ``config`` as ``config_for``'s."""
@@ -121,130 +93,6 @@ def grid_variants(B: int, H: int, Nq: int, Nk: int, config: tuple) -> list[tuple
     return [(name, sms) for name, sms in variants if sms]
 
 
-def abba_call_us(fns: dict, rounds: int) -> dict[str, float]:
-    """Each zero-argument call's time per call in µs (``do_bench``: the L2 flushed before each
-    call), the median of ``rounds`` rounds that alternate the calls' order (ABBA), so that drift
-    between rounds falls on every call alike."""
-    from triton.testing import do_bench
-
-    calls = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            calls[name].append(1e3 * do_bench(fns[name], warmup=10, rep=60, return_mode="median"))
-    return {name: sorted(times)[rounds // 2] for name, times in calls.items()}
-
-
-def probe_start(doc: str):
-    """A GPU probe's start: its ``--json`` argument parsed, the native module built, the seed set."""
-    import argparse
-
-    from sdpatch.kernels import native
-
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    native.wait()
-    torch.manual_seed(0)
-    return args
-
-
-def show_row(row: dict, fmt: str = ".1f") -> None:
-    """A probe's row on one line, its floats in ``fmt``."""
-    print(" | ".join(f"{key} {val:{fmt}}" if isinstance(val, float) else f"{key} {val}" for key, val in row.items()), flush=True)
-
-
-def probe_rows_out(rows: list[dict], json_path: str | None) -> None:
-    """A probe's end: the environment, and its rows with it as JSON where asked."""
-    print(environment())
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
-
-
-def probe_inputs(c: Case, device: str = "cuda"):
-    """A forward probe's case: q, k, v, the scale, the FLOP count, and ``error_of(out)``, a result's
-    relative error against float64 on 512 rows of one head."""
-    from sdpatch.reference import attention_ref
-
-    q, k, v = case_inputs(c, device=device)
-    ref = attention_ref(q[:1, :1, :512], k[:1, :1], v[:1, :1])
-
-    def error_of(out) -> float:
-        return ((out[:1, :1, :512].double() - ref).norm() / ref.norm()).item()
-
-    return q, k, v, 1 / math.sqrt(c.D), 4 * c.B * c.H * c.Nq * c.Nk * c.D, error_of
-
-
-def forward_baselines(q, k, v, scale: float) -> dict:
-    """What the Gluon probes time the Gluon kernel against, as zero-argument calls: PyTorch's SDPA
-    pinned to cuDNN, and sdpatch's Triton kernel (the Gluon kernel turned off for the call)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from sdpatch.kernels import flash_fwd_hopper
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-
-    def triton_kernel():
-        flash_fwd_hopper.ENABLED = False
-        try:
-            return flash_attn_fwd(q, k, v, scale)[0]
-        finally:
-            flash_fwd_hopper.ENABLED = True
-
-    return {"cudnn": cudnn, "triton": triton_kernel}
-
-
-def probe_forward(tiles: list[tuple], impls_for, cases: list[Case] = PROBE_CASES, device: str = "cuda") -> list[dict]:
-    """Run a forward probe: for each case and tile, ``impls_for(q, k, v, scale, config)`` gives
-    {implementation name: zero-argument call}; each is checked against float64 on 512 rows of
-    one head, then timed (see :func:`probe_row`). Returns the rows, named "<implementation> <tile>"."""
-    rows = []
-    for c in cases:
-        q, k, v, scale, flops, error_of = probe_inputs(c, device)
-        for tile in tiles:
-            impls = impls_for(q, k, v, scale, as_config(tile))
-            rows += [probe_row(c.name, f"{name} {tile}", fn, flops, error_of) for name, fn in impls.items()]
-        del q, k, v
-        torch.cuda.empty_cache()
-    return rows
-
-
-def probe_main(description: str, tiles: list[tuple], impls_for, pairs: list[tuple[str, str]]) -> None:
-    """A forward probe's command line: ``--json PATH``; times every variant (:func:`probe_forward`)
-    and prints, for each (candidate, baseline) pair of name prefixes, the best of each per case."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    rows = probe_forward(tiles, impls_for)
-    for i, (candidate, baseline) in enumerate(pairs):
-        probe_summary(rows, [c.name for c in PROBE_CASES], candidate, baseline, args.json if i == 0 else None)
-
-
-def probe_summary(rows: list[dict], cases: list[str], candidate: str, baseline: str, json_path: str | None) -> None:
-    """Print each case's fastest correct ``candidate`` row against its fastest ``baseline`` row (rows
-    from :func:`probe_row`, told apart by the start of their ``impl``), and write every row as JSON."""
-    print(environment())
-    print(f"| case | best {baseline} | best {candidate} | × |")
-    print("|---|---|---|---|")
-    for case in cases:
-        best = {}
-        for name in (baseline, candidate):
-            ok = [r for r in rows if r["case"] == case and r["impl"].startswith(name) and r["tflops"] and r["rel_err"] < 1e-2]
-            best[name] = max(ok, key=lambda r: r["tflops"], default=None)
-        base, cand = best[baseline], best[candidate]
-        cell = lambda r: "–" if r is None else f"{r['tflops']:.0f} ({r['impl']})"  # noqa: E731
-        ratio = f"{cand['tflops'] / base['tflops']:.2f}" if base and cand else "–"
-        print(f"| {case} | {cell(base)} | {cell(cand)} | {ratio} |")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows}, f, indent=1)
-
-
 def unet_inputs(unet, batch: int, size: int, dtype: torch.dtype, seed: int = 0) -> dict:
     """Random UNet call arguments for a batch at an image side of ``size`` pixels."""
     g = torch.Generator("cuda").manual_seed(seed)
@@ -273,11 +121,10 @@ def training_unet(preset: str = "sd15"):
 
 
 def warm_up_step(step, unet, calls: int = 1) -> None:
-    """``calls`` calls of a training ``step`` (compile, autotune; from the third call of a layout on,
-    sdpatch's native launch path), then the parameters' gradients cleared: the next step's peak
-    counts them as its own, not as memory live before it. The allocator's cache is emptied too, so
-    the next step starts from the blocks a fresh process would hold whatever ran before: v7-v9
-    measured the second variant on the first one's cached blocks."""
+    """``calls`` calls of a training ``step`` (compile, autotune, the layouts' launch plans), then
+    the parameters' gradients cleared: the next step's peak counts them as its own, not as memory
+    live before it. The allocator's cache is emptied too, so the next step starts from the blocks a
+    fresh process would hold whatever ran before, not from the blocks the variant before left."""
     for _ in range(calls):
         step()
     for p in unet.parameters():

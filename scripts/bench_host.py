@@ -15,8 +15,7 @@ and with integer pointers), to show where its time goes.
 Last, on CUDA, the anatomy of one backward call at SD shapes, timed as ``do_bench`` times it (the L2
 cache cleared, then CUDA events around ``torch.autograd.grad``), for sdpatch, cuDNN and flash: the
 events' GPU time, the host's time in ``autograd.grad``, and for sdpatch where that time goes (from
-the call to its Python backward, the backward itself, and back to the caller), with the native
-launch path (``sdpatch.kernels.native``) and without it ("sdpatch python"). A call whose host
+the call to its Python backward, the backward itself, and back to the caller). A call whose host
 time outlasts its kernels is timed by the host: this shows which one a per-call figure measures.
 """
 
@@ -168,7 +167,6 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
 
     from bench_kernels import SDPA
     from sdpatch.attention import TritonAttention
-    from sdpatch.kernels import native
 
     marks = {}
     backward = TritonAttention.backward
@@ -181,7 +179,7 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
 
     q, k, v = (torch.randn(c.B, c.H, n, c.D, device="cuda", dtype=torch.float16, requires_grad=True) for n in (c.Nq, c.Nk, c.Nk))
     do = torch.randn_like(q)
-    outs = {name: sdpatch.attention(q, k, v, backend="triton") for name in ("sdpatch", "sdpatch python")}
+    outs = {"sdpatch": sdpatch.attention(q, k, v, backend="triton")}
     for name in ("cudnn", "flash"):
         with sdpa_kernel(SDPA[name]):
             outs[name] = F.scaled_dot_product_attention(q, k, v)
@@ -191,22 +189,21 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     try:
         for name, out in outs.items():
             calls = []
-            with native.enabled(name != "sdpatch python"):
-                for _ in range(iters):
-                    cache.zero_()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    t0 = time.perf_counter_ns()
-                    torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                    t1 = time.perf_counter_ns()
-                    end.record()
-                    calls.append((start, end, t0, t1, marks.get("in"), marks.get("out")))
+            for _ in range(iters):
+                cache.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter_ns()
+                torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                t1 = time.perf_counter_ns()
+                end.record()
+                calls.append((start, end, t0, t1, marks.get("in"), marks.get("out")))
             torch.cuda.synchronize()
             calls = calls[skip:]
             host = sorted((t1 - t0) / 1e3 for _, _, t0, t1, _, _ in calls)
             row = dict(case=c.name, impl=name, gpu_us=statistics.median(s.elapsed_time(e) * 1e3 for s, e, *_ in calls),
                        host_us=statistics.median(host), host_p10_us=host[len(host) // 10], host_p90_us=host[9 * len(host) // 10])
-            if name.startswith("sdpatch"):
+            if name == "sdpatch":
                 row |= dict(to_backward_us=statistics.median((i - t0) / 1e3 for _, _, t0, _, i, _ in calls),
                             backward_us=statistics.median((o - i) / 1e3 for *_, i, o in calls),
                             back_us=statistics.median((t1 - o) / 1e3 for _, _, _, t1, _, o in calls))
@@ -219,10 +216,6 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
 
 def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES) -> list[dict]:
     rows, parts = [], []
-    if device == "cuda":  # every timed call on the same path: wait for the native module's build
-        from sdpatch.kernels import native
-
-        print(f"native launch path: {'ready' if native.wait() else 'unavailable'}", flush=True)
     for c in cases:
         fns = calls(c, device)
         for name, fn in fns.items():

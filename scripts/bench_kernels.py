@@ -15,8 +15,6 @@ cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
 the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
-"sdpatch python" is sdpatch's call with the native launch path off (``sdpatch.kernels.native``):
-the Python launchers alone, as before v10; it takes part in the rounds too.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels import native
 from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
 from sdpatch.reference import attention_ref
@@ -43,7 +40,7 @@ from _bench import Case, chosen, environment, paired_ratio, peak_over, rel_err
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
 REF_ROWS = 512  # queries checked against float64 (the reference materializes its scores)
-PAIRED = ("sdpatch", "sdpatch python", "cudnn", "flash")  # timed in turns, round by round (see measure_paired)
+PAIRED = ("sdpatch", "cudnn", "flash")  # timed in turns, round by round (see measure_paired)
 PAIRED_MAX_MS = 2.0  # calls longer than this are kernel-bound: the host's drift cannot move their ratios
 
 
@@ -82,14 +79,6 @@ class Row:
     tuned_config: str | None = None  # the autotuner's picks for sdpatch's kernels, for pruning their lists
     paired: dict = field(default_factory=dict)  # impl -> sdpatch's speed over it per round: median, quartiles
     rounds_ms: dict = field(default_factory=dict)  # impl -> its ms per call in each paired round
-
-
-def python_path(fn):
-    """``fn`` through sdpatch's Python launchers: the native launch path off during the call."""
-    def call():
-        with native.enabled(False):
-            return fn()
-    return call
 
 
 def naive(q, k, v, scale):
@@ -174,8 +163,6 @@ def run_case(c: Case, rounds: int) -> Row:
         return sdpatch.attention(q, k, v, backend=c.sdpatch_backend)
 
     impls = {"sdpatch": ours, "sdpatch.attention": public}
-    if c.sdpatch_backend == "triton":
-        impls["sdpatch python"] = python_path(ours)
     if c.sdpatch_backend == "triton" and head_dim_parts(c.D)[1] and not c.backward:
         # The head dim tiled as one padded power of two, to measure what the two-part tiling buys.
         impls["one tile"] = lambda: flash_attn_fwd(q, k, v, scale, split_head_dim=False)[0]
@@ -209,8 +196,7 @@ def run_case(c: Case, rounds: int) -> Row:
                 graphs[name] = None
 
         def bwd(name):
-            call = lambda: torch.autograd.grad(graphs[name], (q, k, v), do, retain_graph=True)  # noqa: E731
-            return python_path(call) if name == "sdpatch python" else call
+            return lambda: torch.autograd.grad(graphs[name], (q, k, v), do, retain_graph=True)
 
         first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
@@ -274,10 +260,10 @@ def paired(stats: tuple | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch python", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
+    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
     head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn / flash | rel err"
-            " | extra MiB (sdpatch / naive) | first call s | paired ×python | paired ×cuDNN | paired ×flash |")
-    lines = [head, "|" + "---|" * (len(impls) + 10)]
+            " | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
+    lines = [head, "|" + "---|" * (len(impls) + 9)]
     for r in rows:
         t = r.tflops
         ours = t.get("sdpatch")
@@ -287,7 +273,7 @@ def table(rows: list[Row]) -> str:
             + f" | {ratio('cudnn')} | {ratio('flash')}"
             + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn', 'flash'))} | {fmt(r.rel_err, '.1e')}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')}"
-            + "".join(f" | {paired(r.paired.get(i))}" for i in ("sdpatch python", "cudnn", "flash")) + " |"
+            + "".join(f" | {paired(r.paired.get(i))}" for i in ("cudnn", "flash")) + " |"
         )
     return "\n".join(lines)
 
@@ -300,7 +286,6 @@ def main() -> None:
                     help=f"rounds of sdpatch, cuDNN and flash timed in turns, on calls under {PAIRED_MAX_MS} ms (0: none)")
     args = ap.parse_args()
     cases = [c for c in CASES if chosen(c, args.only)]
-    print(f"native launch path: {'ready' if native.wait() else 'unavailable'}", flush=True)
     rows = []
     for c in cases:
         rows.append(run_case(c, args.rounds))

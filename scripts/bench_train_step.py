@@ -45,9 +45,6 @@ def main() -> None:
     args = ap.parse_args()
     variants = tuple(args.variants.split(","))
     assert variants[0] == "stock", "the ratios and gradient errors are against stock: list it first"
-    from sdpatch.kernels import native
-
-    print(f"native launch path: {'ready' if native.wait() else 'unavailable'}", flush=True)
     unet = training_unet()
     rows = []
     for size in SIZES:

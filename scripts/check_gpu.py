@@ -6,8 +6,8 @@
   40/64/80/160 (and 512 on chunked), masks, non-contiguous views, fp16/bf16/fp32, gradients.
 - Extra peak memory at q = k = v = (2, 8, 16384, 40) fp16: triton <= 64 MiB, chunked <= its budget.
 - Launches with B*H > 65,535 and with long sequences.
-- The native launch path (``sdpatch.kernels.native``) serves a layout's fourth call, bit for bit as
-  the Python launchers, on the Triton kernels and on the Gluon forward (its TMA descriptors encoded in C++).
+- Every case through a layout's three kinds of launch: the autotuning call, the call that launches
+  its plan's tiles through Triton's JIT, and the calls after, straight to the compiled binary.
 - The Gluon Hopper forward (``sdpatch.kernels.flash_fwd_hopper``) against float64, and its
   log-sum-exp against the Triton kernel's, wherever its layout rules take a case.
 Prints one line per check and exits non-zero if any fails.
@@ -22,7 +22,7 @@ import sys
 import torch
 
 from sdpatch import attention
-from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper, native
+from sdpatch.kernels import flash_fwd, flash_fwd_hopper
 from sdpatch.reference import attention_ref
 
 from _bench import grid_variants, make_mask, peak_over
@@ -80,10 +80,10 @@ def check_correctness(only: list[str] | None = None) -> None:
     if not cases:
         report(f"--only {','.join(only)}", False, "matches no case")
     for case in cases:
-        # Four calls on new data: the first autotunes, the second keeps its launch in the layout's
-        # plan, the third launches from the plan (see flash_attn_fwd) and records it for the native
-        # path, which the fourth takes.
-        for call in ("", " call 2", " call 3", " call 4 native"):
+        # Three calls on new data: the first autotunes, the second launches the tuned tiles through
+        # Triton's JIT and keeps the launch in the layout's plan, the third launches the plan's
+        # binary (see flash_attn_fwd).
+        for call in ("", " call 2", " call 3"):
             try:
                 check_case(*case, call=call)
             except Exception as e:  # a crash is a failed check; later ones may still report
@@ -110,8 +110,6 @@ def check_case(B, H, Nq, Nk, D, dtype, mk, layout, call="") -> None:
         gr = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=m1), (q64, k64, v64), do[:1, :2].double())
         errs = [rel(a[:1, :2], b) for a, b in zip(g, gr)]
         report(f"bwd triton {name}", max(errs) <= RTOL[dtype], "dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs))
-    if call.endswith("native") and D <= 256:
-        check_native(q, k, v, m, do if q.requires_grad else None, name)
     if call == "" and flash_fwd_hopper.hopper_fwd_ok(q, k, v, m):
         check_gluon(q.detach(), k.detach(), v.detach(), ref, name)
 
@@ -158,24 +156,6 @@ def check_mixed_grids() -> None:
                f" rel err {e:.2e}, lse max err {e_lse:.1e}")
 
 
-def check_native(q, k, v, m, do, name) -> None:
-    """The native path served this layout's calls, and gives the Python launchers' results bit for
-    bit (the kernels are deterministic: no atomics)."""
-    sites = (flash_fwd._native_fwd, flash_bwd._native_bwd)
-    hits = [s.hits for s in sites]
-    out = attention(q, k, v, attn_mask=m, backend="triton")
-    grads = torch.autograd.grad(attention(q, k, v, attn_mask=m, backend="triton"), (q, k, v), do) if do is not None else ()
-    served = [s.hits - h for s, h in zip(sites, hits)]
-    with native.enabled(False):
-        out_py = attention(q, k, v, attn_mask=m, backend="triton")
-        grads_py = torch.autograd.grad(attention(q, k, v, attn_mask=m, backend="triton"), (q, k, v), do) if do is not None else ()
-    same = torch.equal(out, out_py) and all(torch.equal(a, b) for a, b in zip(grads, grads_py))
-    want = [2 if do is not None else 1, 1 if do is not None else 0]  # forwards (inference, autograd), backwards
-    kernel = "Gluon" if flash_fwd_hopper.serves(q, k, v, m) else "Triton"
-    report(f"native {name}", same and served == want, f"calls served natively (fwd on {kernel}, bwd) {served}, want {want};"
-           f" {'equal' if same else 'DIFFERENT'} to the Python launchers' results")
-
-
 def extra_peak(fn, out_bytes):
     fn()  # warm: compile, autotune, cuBLAS workspace
     return peak_over(fn)[1] - out_bytes
@@ -209,7 +189,6 @@ if __name__ == "__main__":
     ap.add_argument("--only", help="comma-separated cases as NqxNk-Dd (e.g. 1025x77-D40): those alone, no memory checks")
     args = ap.parse_args()
     torch.manual_seed(0)
-    report("native module built", native.wait(), "see the log for the build's warning" if native.module() is None else "ready")
     check_correctness(args.only.split(",") if args.only else None)
     if not args.only:
         check_mixed_grids()

@@ -3,13 +3,11 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check sanitize sweep bench host unet profile probe compare train trainprof peak planner multi (multi takes every GPU)
+#   check sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
 # for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
-# profile=PRESET profiles that model's UNet (default sd15); trainprof profiles SD 1.5's training step;
-# probe=ws,exp16,bwd_tma,maxnreg runs those probes only (default: all); sanitize=bwd checks the backward kernels only,
-# sanitize=gluon the Gluon Hopper forward.
+# sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
 # and, after every step, into one archive, $OUT/results.tgz (the lent machines return at most 8 files),
@@ -61,14 +59,6 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     host) $t python3 "$REPO/scripts/bench_host.py" --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
-    profile) $t python3 "$REPO/scripts/profile_unet.py" ${only:+--preset "$only"} > "$W/profile_unet${only:+_$only}.log" 2>&1 || rc=$? ;;
-    probe)  # kernel leads measured before the library takes them on (see each script's docstring)
-      local probes=(${only//,/ }); [ -n "$only" ] || probes=(ws exp16 bwd_tma maxnreg)
-      for p in "${probes[@]}"; do
-        timeout -k 5 $(( left / ${#probes[@]} )) python3 "$REPO/scripts/probe_$p.py" --json "$W/probe_$p.json" > "$W/probe_$p.log" 2>&1 || rc=$?
-      done ;;
-    trainprof) $t python3 "$REPO/scripts/profile_unet.py" --train --sizes 512,768 > "$W/trainprof.log" 2>&1 || rc=$? ;;
-    peak) $t python3 "$REPO/scripts/peak_where.py" --json "$W/peak_where.json" > "$W/peak_where.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;

@@ -15,19 +15,19 @@ so a wrong result fails too. A config that needs more shared memory than the GPU
 launches the Gluon Hopper forward instead (sm_90): its head-dim splits (40 = 32 + 16, 80 = 64 + 16,
 160 = 128 + 32) at odd lengths, with two consumer warpgroups and three (head dim 64), through the JIT
 with and without the log-sum-exp, with the grid's last tile split into pieces and combined (as the
-launcher splits a short last wave), and where default calls take it, three times through
-``flash_attn_fwd``: the JIT, the binary, then the native path's replay with its TMA descriptors
-encoded in C++.
+launcher splits a short last wave), and where default calls take it, twice through
+``flash_attn_fwd``: the JIT, then the binary.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-from sdpatch.kernels import flash_fwd_hopper, native
+from sdpatch.kernels import flash_fwd_hopper
 from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _configs as fwd_configs
 from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, kv_tma_ok
@@ -68,7 +68,7 @@ def tensor(B, H, N, D, layout, device):
 
 def main(device: str = "cuda", backward_only: bool = False) -> int:
     """Every launch, checked; returns the number of wrong results. ``device="cpu"`` runs the same
-    launches through the Triton interpreter (tests/test_scripts.py), with smaller tiles.
+    launches through the Triton interpreter (``--device cpu``; tests/test_scripts.py), with smaller tiles.
     ``backward_only`` runs only the first forward config that fits per shape, to feed the backward."""
     torch.manual_seed(0)
     bad = 0
@@ -112,7 +112,6 @@ def gluon() -> int:
     with the last tile split (as on a GPU of one SM fewer than tiles) and in tiles of two sizes
     (over fewer SMs); returns the number of wrong results."""
     torch.manual_seed(0)
-    assert native.wait(), "the native module did not build"
     bad = launches = 0
     for B, H, Nq, Nk, D in GLUON_SHAPES:
         q, k, v = (tensor(B, H, n, D, "bnhd", "cuda") for n in (Nq, Nk, Nk))
@@ -121,8 +120,8 @@ def gluon() -> int:
                  for lse in (False, True)]
         calls += [(f"{grid} over {sms} SMs", lambda sms=sms: flash_fwd_hopper.hopper_attn_fwd(q, k, v, D**-0.5, sms=sms)[0])
                   for grid, sms in grid_variants(B, H, Nq, Nk, flash_fwd_hopper.config_for(D))]
-        if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, the binary, the native replay
-            calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2, 3)]
+        if flash_fwd_hopper.serves(q, k, v, None):  # the JIT, then the binary
+            calls += [(f"default call {i}", lambda: flash_attn_fwd(q, k, v, D**-0.5)[0]) for i in (1, 2)]
         for name, fn in calls:
             out = fn()
             launches += 1
@@ -137,6 +136,9 @@ def gluon() -> int:
 
 
 if __name__ == "__main__":
-    if "--gluon" in sys.argv[1:]:
-        sys.exit(1 if gluon() else 0)
-    sys.exit(1 if main(backward_only="--backward-only" in sys.argv[1:]) else 0)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gluon", action="store_true", help="the Gluon Hopper forward's launches instead (sm_90)")
+    ap.add_argument("--backward-only", action="store_true", help="one forward per shape, to feed the backward")
+    ap.add_argument("--device", default="cuda", help='"cpu": the same launches through the Triton interpreter (TRITON_INTERPRET=1)')
+    args = ap.parse_args()
+    sys.exit(1 if (gluon() if args.gluon else main(args.device, args.backward_only)) else 0)

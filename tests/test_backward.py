@@ -5,27 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import RTOL, case, make_mask, make_qkv, rel_err
 from sdpatch import attention
 from sdpatch.reference import attention_ref
 
-from test_attention import DT, RTOL, make_mask, make_qkv, rel_err
-
-
-def grad_case(B, H, Nq, Nk, D, dtype, mask="none", layout="contiguous"):
-    cid = f"B{B}-H{H}-N{Nq}" + (f"x{Nk}" if Nk != Nq else "") + f"-D{D}-{dtype}"
-    cid += "" if mask == "none" else f"-{mask}"
-    cid += "" if layout == "contiguous" else f"-{layout}"
-    return pytest.param(B, H, Nq, Nk, D, DT[dtype], mask, layout, id=cid)
-
 
 GRAD_CASES = [
-    grad_case(2, 2, 33, 33, 40, "fp32"),
-    grad_case(1, 2, 97, 77, 40, "fp16", layout="bnhd"),  # cross-attention on CLIP's 77 tokens
-    grad_case(1, 1, 31, 31, 80, "bf16", "bool"),
-    grad_case(1, 1, 17, 23, 160, "fp32", "additive", "sliced"),
-    grad_case(2, 1, 20, 77, 64, "fp16", "padding"),
-    grad_case(1, 1, 1, 5, 8, "fp32", "bool"),
-    grad_case(1, 1, 6, 1, 1, "fp32"),
+    case(2, 2, 33, 33, 40, "fp32"),
+    case(1, 2, 97, 77, 40, "fp16", layout="bnhd"),  # cross-attention on CLIP's 77 tokens
+    case(1, 1, 31, 31, 80, "bf16", "bool"),
+    case(1, 1, 17, 23, 160, "fp32", "additive", "sliced"),
+    case(2, 1, 20, 77, 64, "fp16", "padding"),
+    case(1, 1, 1, 5, 8, "fp32", "bool"),
+    case(1, 1, 6, 1, 1, "fp32"),
 ]
 
 

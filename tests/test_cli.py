@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,29 +16,13 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from sdpatch.cli import app
+from helpers import FAST, console_script, invoke
 from sdpatch.generate import GenerationRequest, run, write_png
-
-FAST = ["--height", "64", "--width", "64", "--steps", "2", "--device", "cpu"]
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args))
 
 
 def files_under(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def console_script() -> str:
-    """The installed ``sdpatch`` script of this interpreter's environment."""
-    beside = Path(sys.executable).parent / "sdpatch"
-    script = str(beside) if beside.exists() else shutil.which("sdpatch")
-    if script is None:
-        pytest.fail("the sdpatch console script is not installed: run `pip install -e .`")
-    return script
 
 
 # -- generating ----------------------------------------------------------------------------

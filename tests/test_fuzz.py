@@ -21,10 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdpatch.chunked
+from helpers import RTOL, rel_err
 from sdpatch import attention
 from sdpatch.reference import attention_ref
-
-from test_attention import RTOL, rel_err
 
 FUZZ = settings(
     derandomize=True,  # a fixed seed: the same cases on every run

@@ -29,9 +29,9 @@ import torch
 from PIL import Image
 
 import sdpatch.multi as multi
+from helpers import FAST, invoke
 from sdpatch.errors import InputError
 from sdpatch.multi import ProcessReport, partial_report_path, read_prompts, wait_for_processes
-from test_cli import FAST, invoke
 
 PROMPTS = ["a red cube", "a blue sphere", "a green cone", "a yellow ring", "a purple star"]
 LAUNCH_TIMEOUT_S = 240

@@ -33,13 +33,13 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 import arch
+from helpers import FAST, console_script, invoke
 from sdpatch import BackendChoice, BackendUnavailableError, explain, patch_report, patch_unet
 from sdpatch.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.errors import InputError
 from sdpatch.generate import GenerationRequest, run
 from sdpatch.models import resolve_model
 from sdpatch.reference import attention_ref
-from test_cli import FAST, console_script, invoke
 
 # `sdpatch.attention` is also the name of the function that the package exports.
 attention_mod = importlib.import_module("sdpatch.attention")
