@@ -602,8 +602,9 @@ def _hopper_fwd(q, k, v, scale: float, return_lse: bool) -> tuple[torch.Tensor, 
                        lambda: _Plan({}))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors
     with on_device(q):
-        for i, (kernel, grid, args, consts) in enumerate(flash_fwd_hopper.launches(q, k, v, out, lse, scale)):
+        for i, (kernel, grid, args, consts) in enumerate(flash_fwd_hopper.launches(q, k, v, out, lse, scale, bound=bound)):
             launch(kernel, grid, args, consts, plan.binaries, ("gluon", i))
     return out, lse
 

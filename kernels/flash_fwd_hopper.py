@@ -700,28 +700,43 @@ def _shared_layout(rows: int, width: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], gl_dtype)
 
 
-def _descriptor(t: torch.Tensor, rows: int, width: int):
+class BoundDescriptor(NamedTuple):
+    """What a compiled kernel's launcher reads of a tensor descriptor argument: its tile shape and
+    shared layout are fixed in the binary. Building Triton's ``TensorDescriptor`` checks its
+    arguments in Python, several microseconds each, eight per call at split head dims; these are
+    for launches of a binary compiled from the same layout (see :func:`flash_fwd.launch`)."""
+
+    base: torch.Tensor
+    shape: list
+    strides: list
+    padding: str = "zero"
+
+
+def _descriptor(t: torch.Tensor, rows: int, width: int, bound: bool):
+    if bound:
+        return BoundDescriptor(t, list(t.shape), list(t.stride()))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _shared_layout(rows, width, t.dtype))
 
 
-def descriptors(q, k, v, out, block_m: int, block_n: int) -> list:
+def descriptors(q, k, v, out, block_m: int, block_n: int, bound: bool = False) -> list:
     """The kernel's eight descriptor arguments: q, k, v, out over the head dim's first part, then
     over its second (:func:`split_head_dim`), or None where there is none: the JIT and the launcher
-    spend host time on each descriptor they are given."""
+    spend host time on each descriptor they are given. ``bound``: :class:`BoundDescriptor` s, for a
+    compiled binary's launch."""
     d_lo, d_hi = split_head_dim(q.shape[3])
     rows = (block_m, block_n, block_n, block_m)
-    lo = [_descriptor(t, r, d_lo) for t, r in zip((q, k, v, out), rows)]
-    return lo + ([_descriptor(t, r, d_hi) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
+    lo = [_descriptor(t, r, d_lo, bound) for t, r in zip((q, k, v, out), rows)]
+    return lo + ([_descriptor(t, r, d_hi, bound) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
 
 
 def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] | None = None,
-             sms: int | None = None) -> list[tuple]:
+             sms: int | None = None, bound: bool = False) -> list[tuple]:
     """The forward's launches, each ``(kernel, grid, runtime arguments, constexprs)``: the Gluon
     kernel, then, where :func:`tail_split` splits the grid's last wave, :func:`_combine_pieces` over
     the pieces' workspace, allocated here (fp32, at most ``sms`` programs' rows). A grid not split
     takes :func:`tile_plan`'s tiles. ``config`` as :func:`hopper_attn_fwd`'s; ``sms``: the SMs the
-    grid is balanced over (None: the device's; 0: whole tiles, none split).
-    :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
+    grid is balanced over (None: the device's; 0: whole tiles, none split); ``bound`` as
+    :func:`descriptors`'. :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
@@ -734,7 +749,7 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
     if grid.pieces:
         part_o = torch.empty(grid.pieces, tile_m, d_lo + d_hi, device=q.device, dtype=torch.float32)
         part_l = torch.empty(grid.pieces, tile_m, device=q.device, dtype=torch.float32)
-    args = (*descriptors(q, k, v, out, block_m, block_n), lse, part_o, part_l, scale * 1.44269504,  # 1/ln 2
+    args = (*descriptors(q, k, v, out, block_m, block_n, bound), lse, part_o, part_l, scale * 1.44269504,  # 1/ln 2
             H, Nq, Nk, grid.whole, grid.splits, B * H, *grid.plan)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, STAGES=stages, CONSUMERS=consumers,
                   CONSUMER_REGS=consumer_regs(consumers), STORE_LSE=lse is not None, EVEN_N=Nk % block_n == 0,

@@ -3,10 +3,10 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
+#   check graphs e2e sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
-# for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
+# e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
@@ -58,6 +58,9 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
       done ;;
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
+    graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
+    e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" \
+           --json "$W/bench_e2e.json" > "$W/bench_e2e.log" 2>&1 || rc=$? ;;
     host) $t python3 "$REPO/scripts/bench_host.py" --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \

@@ -4,9 +4,10 @@ On a fast GPU a diffusers denoising step is bound by the host: PyTorch's eager m
 in Python and kernel launches than the GPU spends in the kernels (SD 1.5 at 512² on an H200: 28 ms a
 step eagerly, 12 ms replayed from a graph). :func:`capture` wraps a module's ``forward`` so that each
 new input signature (the tree of arguments, with every tensor's shape, dtype, device and strides, and
-every other value) runs eagerly ``warmup`` times, which autotunes and compiles the kernels, and is then
-captured once into a ``torch.cuda.CUDAGraph``; every later call with that signature copies its tensors
-into the graph's inputs and replays it. All of a module's graphs share one memory pool, so graphs of
+every other value) runs eagerly ``warmup`` times, which autotunes and compiles the kernels, and is
+captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later call with that
+signature copies its tensors into the graph's inputs and replays it. The denoising loop's first step
+carries the warm-up and the capture; every other step is a replay. All of a module's graphs share one memory pool, so graphs of
 several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
@@ -19,8 +20,8 @@ A call runs eagerly instead, and the first time for each reason a log line says 
 - it is traced by ``torch.compile`` or already inside a capture;
 - an input tensor is not on the module's CUDA device, or a non-tensor argument is unhashable;
 - the module is offloaded (accelerate's or diffusers' hooks move its weights per call);
-- the signature is new (its warm-up), or the module has seen more than ``max_graphs`` signatures
-  (a LoRA scale changed every step, say);
+- the signature is new (its warm-up), or the module already holds ``max_graphs`` graphs (arguments
+  that change every call: a LoRA scale set per step, say);
 - capturing the signature failed (an operation that synchronizes, a kernel that cannot be captured).
 
 What the graph bakes in and this module cannot see: the module's weights are read from their memory
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _RUNNER = "_sdpatch_graphs"  # attribute on a captured module: its GraphRunner
 MAX_GRAPHS = 8  # signatures a module captures; past that, new ones run eagerly
+WARMUP = "warm-up of a new input signature"
 
 
 @dataclass
@@ -120,13 +122,17 @@ class GraphRunner:
             if entry is not None:
                 return self._replay(entry, leaves)
             reason = self._why_not_capture(key)
-            if reason is None:
+            if reason is None:  # no warm-up asked for: capture, then replay this very call
                 entry = self._capture(key, leaves, spec)
                 if entry is not None:
                     return self._replay(entry, leaves)
-                reason = "capture failed"
+                reason = self.failed[key]
         self._eager(reason)
-        return self.forward(*args, **kwargs)
+        output = self.forward(*args, **kwargs)
+        if reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs:
+            # Captured now, replayed from the next call on: the one-time cost stays in this call.
+            self._capture(key, leaves, spec)
+        return output
 
     def _signature(self, leaves: list, spec) -> tuple[Any, str | None]:
         """The graph key of a call, or the reason the call cannot be replayed from one."""
@@ -161,13 +167,13 @@ class GraphRunner:
 
     def _why_not_capture(self, key) -> str | None:
         if key in self.failed:
-            return f"capturing this signature failed ({self.failed[key]})"
+            return self.failed[key]
+        if len(self.entries) >= self.max_graphs:
+            return f"{self.max_graphs} graphs held already (arguments that change every call?)"
         seen = self.seen.get(key, 0)
         if seen < self.warmup:
             self.seen[key] = seen + 1
-            return "warm-up of a new input signature"
-        if len(self.entries) >= self.max_graphs:
-            return f"more than {self.max_graphs} input signatures (arguments that change every call)"
+            return WARMUP
         return None
 
     def _capture(self, key, leaves: list, spec) -> _Entry | None:
@@ -185,8 +191,9 @@ class GraphRunner:
             with self._capture_context(graph, pool=self._pool):
                 output = self.forward(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - whatever the forward cannot do under capture
-            self.failed[key] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            logger.warning("sdpatch: CUDA-graph capture failed (%s); this input signature runs eagerly", self.failed[key])
+            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.failed[key] = f"capturing this input signature failed ({why})"
+            logger.warning("sdpatch: CUDA-graph capture failed (%s); this input signature runs eagerly", why)
             _clear_capture_error()
             return None
         entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs))
@@ -207,7 +214,7 @@ class GraphRunner:
     def _eager(self, reason: str) -> None:
         counts = self.stats.eager_reasons
         if reason not in counts:
-            logger.log(logging.DEBUG if reason.startswith("warm-up") else logging.INFO,
+            logger.log(logging.DEBUG if reason == WARMUP else logging.INFO,
                        "sdpatch: %s runs eagerly: %s", type(self.module).__name__, reason)
         counts[reason] = counts.get(reason, 0) + 1
         self.stats.eager_calls += 1

@@ -1,0 +1,193 @@
+"""End to end, as a user runs it: `sdpatch generate` per configuration, each in a fresh process.
+
+    python scripts/bench_e2e.py --json bench_e2e.json [--presets sd15:512,sd15:1024,sdxl:1024] [--steps 20]
+                                [--only stock,graphs,...]
+
+Configurations (each a fresh process on the same GPU, the same seed and prompt):
+
+- ``stock``: ``--backend stock``, diffusers' own attention (SDPA), eager;
+- ``stock-compile``: stock with ``pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")``,
+  the anchor a user would pick for speed (a worker process, since the CLI has no such flag);
+- ``eager``: sdpatch, ``--no-cuda-graphs``;
+- ``graphs-cold``: sdpatch's default (CUDA graphs), with an empty Triton cache: the first run at a size;
+- ``graphs``: the same again, caches warm;
+- ``compile-cold`` / ``compile``: ``--compile`` with empty, then warm, inductor and Triton caches;
+- ``patched-compile``: the patched UNet under ``torch.compile(mode="reduce-overhead")``, per UNet call
+  against ``stock-compile`` (a worker process).
+
+Each reports steady s/it (the median step from the third on), the CLI's s/it, the first step, wall time per image, peak
+allocated and reserved over the run, the CUDA graphs' pool, and PSNR of the image against stock's
+(random-weight presets: identical settings give identical noise images up to fp16 rounding). The
+last lines are a table with ratios to ``stock`` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = ("stock", "stock-compile", "eager", "graphs-cold", "graphs", "compile-cold", "compile", "patched-compile")
+PROMPT = "a photo of an astronaut riding a horse on the moon"
+WORKER_TIMEOUT_S = 420
+# Steady s/it: the median step from the third on. torch.compile's reduce-overhead mode records its
+# CUDA graphs over its first calls, and sdpatch's graphs warm up and capture in the first step.
+STEADY_FROM = 2
+
+
+def cli_args(config: str, preset: str, size: int, steps: int, image: Path, report: Path) -> list[str]:
+    """The `sdpatch generate` command line of a configuration (None for the worker ones)."""
+    base = [sys.executable, "-m", "sdpatch", "generate", PROMPT, "-m", preset, "-H", str(size), "-W", str(size),
+            "--steps", str(steps), "--seed", "0", "-o", str(image), "--report-json", str(report), "--overwrite"]
+    extra = {"stock": ["--backend", "stock"], "eager": ["--no-cuda-graphs"], "graphs-cold": [], "graphs": [],
+             "compile-cold": ["--compile"], "compile": ["--compile"]}[config]
+    return base + extra
+
+
+def run_config(config: str, preset: str, size: int, steps: int, work: Path, caches: dict[str, Path]) -> dict:
+    image, report = work / f"{preset}-{size}-{config}.png", work / f"{preset}-{size}-{config}.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    # Cold configurations start from empty caches; the warm ones reuse what their cold run left.
+    family = "compile" if config.startswith("compile") else "graphs" if config.startswith("graphs") else config
+    if config.endswith("-cold"):
+        caches[family] = Path(tempfile.mkdtemp(prefix=f"cache-{family}-", dir=work))
+    cache = caches.get(family)
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache / "triton")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    if config in ("stock-compile", "patched-compile"):
+        cmd = [sys.executable, __file__, "--worker", config, "--presets", f"{preset}:{size}", "--steps", str(steps),
+               "--image", str(image), "--json", str(report)]
+    else:
+        cmd = cli_args(config, preset, size, steps, image, report)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    wall = time.perf_counter() - start
+    row = {"config": config, "preset": preset, "size": size, "process_s": round(wall, 2), "rc": proc.returncode}
+    if proc.returncode != 0 or not report.exists():
+        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return row
+    row.update(summarize(json.loads(report.read_text())))
+    row["image"] = str(image)
+    return row
+
+
+def summarize(report: dict) -> dict:
+    """The figures of one run's report (sdpatch's --report-json, or a worker's, which has the same keys)."""
+    phases = {p["name"]: p for p in report["phases"]}
+    denoise = phases["denoising"]
+    total = report["total"]
+    graphs = ((report.get("speed") or {}).get("graphs") or {}).get("unet") or {}
+    steps = denoise.get("step_seconds") or []
+    later = sorted(steps[STEADY_FROM:])  # past every configuration's one-time steps
+    return {
+        "s_per_it": later[len(later) // 2] if later else None,
+        "cli_s_per_it": denoise.get("seconds_per_step"),
+        "first_step_s": denoise.get("first_step_seconds"),
+        "image_s": total["seconds"],
+        "peak_allocated": total.get("peak_allocated"),
+        "peak_reserved": total.get("peak_reserved"),
+        "graph_pool": graphs.get("pool_bytes"),
+        "graph_replays": graphs.get("replays"),
+        "graph_eager": graphs.get("eager_calls"),
+    }
+
+
+def psnr(a: Path, b: Path) -> float | None:
+    import numpy as np
+    from PIL import Image
+
+    x = np.asarray(Image.open(a).convert("RGB"), dtype=np.float64)
+    y = np.asarray(Image.open(b).convert("RGB"), dtype=np.float64)
+    if x.shape != y.shape:
+        return None
+    mse = float(((x - y) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def worker(config: str, preset: str, size: int, steps: int, image: Path, out: Path) -> None:
+    """stock-compile / patched-compile: the pipeline built as the CLI builds it, the UNet compiled
+    whole with mode="reduce-overhead", then the CLI's own measured generation."""
+    import torch
+
+    from sdpatch.generate import GenerationRequest, apply_backend, generate
+    from sdpatch.models import build_preset
+
+    torch.cuda.set_device(0)
+    pipe = build_preset(preset, device="cuda", dtype=torch.float16)
+    if config == "patched-compile":
+        apply_backend(pipe, "auto")
+    pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")
+    request = GenerationRequest(prompt=PROMPT, height=size, width=size, steps=steps, seed=0)
+    start = time.perf_counter()
+    result = generate(pipe, request, model=preset, backend="stock" if config == "stock-compile" else "auto",
+                      outputs=[image], progress=False)
+    report = result.report.to_dict()
+    report["wall_s"] = round(time.perf_counter() - start, 2)  # the first step holds the compile
+    out.write_text(json.dumps(report))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--presets", default="sd15:512,sd15:1024,sdxl:1024")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", help="comma-separated configurations (default: all)")
+    ap.add_argument("--worker", choices=("stock-compile", "patched-compile"), help=argparse.SUPPRESS)
+    ap.add_argument("--image", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    presets = [(p.split(":")[0], int(p.split(":")[1])) for p in args.presets.split(",")]
+    if args.worker:
+        worker(args.worker, *presets[0], args.steps, Path(args.image), Path(args.json))
+        return 0
+    configs = [c for c in CONFIGS if not args.only or c in args.only.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench_e2e-"))
+    rows = []
+    for preset, size in presets:
+        caches: dict[str, Path] = {}
+        for config in configs:
+            row = run_config(config, preset, size, args.steps, work, caches)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for row in rows:  # PSNR against stock eager of the same preset and size
+        stock = next((r for r in rows if r["config"] == "stock" and (r["preset"], r["size"]) == (row["preset"], row["size"])
+                      and "image" in r), None)
+        if stock and "image" in row:
+            row["psnr_vs_stock_db"] = psnr(Path(stock["image"]), Path(row["image"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_table(rows)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| preset | config | s/it | × stock | first step s | image s | peak alloc GiB | peak reserved GiB | "
+          "× stock reserved | graph pool MiB | PSNR dB | process s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        stock = next((r for r in rows if r["config"] == "stock" and (r["preset"], r["size"]) == (row["preset"], row["size"])), {})
+        if "error" in row:
+            print(f"| {row['preset']} {row['size']} | {row['config']} | error: {' / '.join(row['error'])[-160:]} |")
+            continue
+
+        def ratio(key):
+            a, b = row.get(key), stock.get(key)
+            return f"{a / b:.2f}" if a and b else "–"
+
+        gib = lambda b: f"{b / 2**30:.2f}" if b else "–"  # noqa: E731
+        pool = f"{row['graph_pool'] / 2**20:.0f}" if row.get("graph_pool") else "–"
+        p = row.get("psnr_vs_stock_db")
+        print(f"| {row['preset']} {row['size']}² | {row['config']} | {row['s_per_it']:.4f} | {ratio('s_per_it')} | "
+              f"{row['first_step_s']:.2f} | {row['image_s']:.2f} | {gib(row['peak_allocated'])} | "
+              f"{gib(row['peak_reserved'])} | {ratio('peak_reserved')} | {pool} | "
+              f"{'–' if p is None else ('inf' if p == math.inf else f'{p:.1f}')} | {row['process_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""CUDA-graph capture of a model's forward (sdpatch.graphs), its control flow on the CPU.
+
+CUDA is absent here, so the runner gets stand-ins for ``torch.cuda.CUDAGraph`` and
+``torch.cuda.graph``: a "graph" whose replay runs the module again on the captured call's inputs
+and writes the result into the captured output, as a real replay writes into its static output.
+That tests what the runner decides and copies; that a real capture replays the same kernels is the
+GPU checks' part (scripts/check_gpu.py, scripts/bench_e2e.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import arch
+from sdpatch import graphs, patch_unet, speed_up, unpatch_unet
+
+RTOL = 1e-5
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class FakeGraph:
+    """Records nothing; replay recomputes the captured call into the captured output."""
+
+    runner: graphs.GraphRunner | None = None
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        entry = next(e for e in self.runner.entries.values() if e.graph is self)
+        args, kwargs = entry.call
+        with torch.no_grad():
+            fresh = self.runner.forward(*args, **kwargs)
+        for dst, src in zip(pytree.tree_leaves(entry.output), pytree.tree_leaves(fresh)):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+
+
+class Capture:
+    """Stands in for torch.cuda.graph: counts the calls recorded inside it."""
+
+    def __init__(self):
+        self.captures = 0
+
+    @contextlib.contextmanager
+    def __call__(self, graph, pool=None):
+        self.captures += 1
+        yield
+
+
+def fake_runner(module, **options) -> tuple[graphs.GraphRunner, Capture]:
+    capture = Capture()
+    runner = graphs.GraphRunner(module, module.forward, graph_factory=FakeGraph, capture_context=capture,
+                                reserved=lambda: 0, **options)
+    FakeGraph.runner = runner
+    return runner, capture
+
+
+@pytest.fixture
+def unet():
+    return arch.build("sd15")
+
+
+def test_first_call_warms_up_and_captures_then_replays(unet):
+    runner, capture = fake_runner(unet)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        want = unet(**kw).sample
+        first = runner(**kw).sample  # eager, then captured
+        assert capture.captures == 1 and runner.stats.replays == 0
+        kw2 = {**kw, "sample": kw["sample"] * 0.5}  # same signature, other values: copied in
+        second = runner(**kw2).sample
+        want2 = unet(**kw2).sample
+    assert rel_err(first, want) < RTOL and rel_err(second, want2) < RTOL
+    assert runner.stats.graphs == 1 and runner.stats.replays == 1 and runner.stats.eager_calls == 1
+    assert runner.stats.eager_reasons == {graphs.WARMUP: 1}
+
+
+def test_replay_returns_a_copy_the_next_replay_does_not_overwrite(unet):
+    runner, _ = fake_runner(unet)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        runner(**kw)
+        a = runner(**kw).sample
+        kept = a.clone()
+        runner(**{**kw, "sample": kw["sample"] + 1})
+    assert torch.equal(a, kept)
+
+
+@pytest.mark.parametrize(
+    "change, graphs_after",
+    [
+        pytest.param(lambda kw: {**kw, "sample": kw["sample"][:1], "timestep": kw["timestep"][:1],
+                                 "encoder_hidden_states": kw["encoder_hidden_states"][:1]}, 2, id="new-batch"),
+        pytest.param(lambda kw: {**kw, "return_dict": False}, 2, id="new-flag"),
+        pytest.param(lambda kw: {**kw, "sample": kw["sample"][..., :8, :8]}, 2, id="new-size"),
+        pytest.param(lambda kw: {**kw, "sample": kw["sample"] + 1}, 1, id="same-signature"),
+    ],
+)
+def test_one_graph_per_signature(unet, change, graphs_after):
+    runner, _ = fake_runner(unet)
+    kw = arch.unet_inputs(unet)
+    other = change(kw)
+    with torch.no_grad():
+        for _ in range(2):
+            runner(**kw)
+            runner(**other)
+    assert runner.stats.graphs == graphs_after
+
+
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        pytest.param(lambda m, kw: (torch.enable_grad(), kw), "autograd is recording", id="training"),
+        pytest.param(lambda m, kw: (torch.no_grad(), {**kw, "cross_attention_kwargs": {"unused": {1.0}}}),
+                     "unhashable", id="unhashable-argument"),
+        pytest.param(lambda m, kw: (setattr(m, "_hf_hook", object()) or torch.no_grad(), kw), "offloaded",
+                     id="offloaded"),
+    ],
+)
+def test_calls_that_cannot_be_replayed_run_eagerly_with_one_logged_reason(unet, caplog, setup, reason):
+    runner, capture = fake_runner(unet)
+    unet.requires_grad_(True)
+    context, kw = setup(unet, arch.unet_inputs(unet))
+    with caplog.at_level(logging.INFO, logger="sdpatch.graphs"), context:
+        for _ in range(3):
+            runner(**kw)
+    assert capture.captures == 0 and runner.stats.eager_calls == 3
+    mine = [r.message for r in caplog.records if r.name == "sdpatch.graphs"]
+    assert len(mine) == 1 and reason in mine[0]
+
+
+def test_signatures_past_the_limit_run_eagerly(unet):
+    """A LoRA scale set per step makes a new signature every call: once the graphs are full, every
+    new one runs eagerly (with one logged reason), with no more warm-ups or captures."""
+    runner, capture = fake_runner(unet, max_graphs=2)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for scale in (0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4):
+            runner(**kw, cross_attention_kwargs={"scale": scale})
+    assert capture.captures == 2 and runner.stats.graphs == 2
+    assert runner.stats.eager_reasons["2 graphs held already (arguments that change every call?)"] == 3
+
+
+def test_a_failed_capture_leaves_that_signature_eager(unet, caplog):
+    class Refuses(Capture):
+        @contextlib.contextmanager
+        def __call__(self, graph, pool=None):
+            self.captures += 1
+            yield
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner = graphs.GraphRunner(unet, unet.forward, graph_factory=FakeGraph, capture_context=Refuses(), reserved=lambda: 0)
+    FakeGraph.runner = runner
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="sdpatch.graphs"):
+        outs = [runner(**kw).sample for _ in range(3)]
+    assert runner.stats.graphs == 0 and runner.stats.eager_calls == 3
+    assert len([r for r in caplog.records if r.name == "sdpatch.graphs"]) == 1
+    with torch.no_grad():
+        assert rel_err(outs[-1], unet(**kw).sample) < RTOL
+
+
+def test_capture_is_idempotent_and_release_restores_the_forward(unet):
+    forward = unet.forward
+    runner = graphs.capture(unet)
+    assert graphs.capture(unet) is runner and unet.forward is runner
+    graphs.release(unet)
+    assert unet.forward == forward and graphs.runner_of(unet) is None
+    graphs.release(unet)  # twice: nothing left to undo
+
+
+def test_on_the_cpu_the_lever_is_off_with_a_note():
+    pipe = arch.sd_pipeline()
+    setup = speed_up(pipe, cuda_graphs=True, compile=False)
+    assert not setup.cuda_graphs and setup.notes == ["CUDA graphs off: the unet is not on a CUDA device"]
+    assert graphs.runner_of(pipe.unet) is None
+
+
+def test_patching_again_drops_graphs_and_unpatching_releases_them(unet):
+    runner = graphs.capture(unet)
+    runner.entries["x"] = "stale"
+    patch_unet(unet, backend="chunked")
+    assert runner.entries == {}
+    unpatch_unet(unet)
+    assert graphs.runner_of(unet) is None
