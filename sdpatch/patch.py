@@ -222,7 +222,9 @@ def patch_unet(
         sequence lengths each layer got.
 
     Patching again re-patches from the original processors (for example with another backend);
-    :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay.
+    :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay. A stock
+    processor set on a patched layer later, by diffusers or by you, is served by sdpatch too, and
+    the model's ``set_default_attn_processor()`` unpatches it (see the module docstring).
 
     Raises:
         TypeError: ``target`` has no diffusers Attention layers.
