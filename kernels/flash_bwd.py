@@ -18,7 +18,8 @@ A row with one live key (one key in all, or every other masked) has dS = 0, so d
 of dK, exactly, in PyTorch. Here dS = P * (dP - delta), and delta = rowsum(dO * O) sums the same
 products as dP = dO . v in another order: a rounding apart, of order eps * |dO| |v|. With at most
 :data:`ONE_BLOCK_KEYS` keys, every key of a row is in one block, and both kernels take such a row's
-delta as its one live entry of dP, to the bit: dS is then exactly 0, whatever P's rounding. With
+delta as its one live entry of dP, to the bit: dS is then exactly 0, whatever P's rounding; and
+its P as exactly 1, so that dV is the plain sum of dO. With
 more keys a row's keys span blocks, and finding its live keys first would cost the dQ kernel a
 second pass over them: there, the rounding stays (masks that leave one key of many are rare).
 """
@@ -75,12 +76,13 @@ def _load_cols(ptrs, stride_d, offs_d, d_valid, col_valid, DOT_FP32: tl.constexp
 
 
 @triton.jit
-def _one_live_key_delta(p, dp, delta, valid, AXIS: tl.constexpr):
-    """``delta``, but for a row (along ``AXIS``) whose ``p`` has one nonzero entry among ``valid``
-    keys: that entry's ``dp``, to the bit, so that its dS = P * (dP - delta) is exactly 0."""
+def _one_live_key(p, valid, AXIS: tl.constexpr):
+    """(live, single): the entries of ``p`` that are nonzero among ``valid`` keys, and the rows
+    (along ``AXIS``) with exactly one. Such a row's P is 1 there, exactly (a softmax of one score;
+    the recomputed score may differ from the forward's in its last bit), and its delta is that
+    entry's dP, to the bit, so that dS = P * (dP - delta) is exactly 0."""
     live = (p > 0) & valid
-    single = tl.sum(live.to(tl.int32), AXIS) == 1
-    return tl.where(single, tl.sum(tl.where(live, dp, 0.0), AXIS), delta)
+    return live, tl.sum(live.to(tl.int32), AXIS) == 1
 
 
 @triton.jit
@@ -180,6 +182,10 @@ def _bwd_dkdv_kernel(
         else:
             pT = tl.math.exp2(sT - lse[None, :])
 
+        if ONE_KEY_BLOCK:
+            live, single = _one_live_key(pT, n_valid[:, None], 0)
+            pT = tl.where(live & single[None, :], 1.0, pT)
+
         # -- dV += P^T dO; dS^T = P^T * (dP^T - delta); dK += dS^T Q ------------------------
         pT_in = pT.to(doa.dtype)
         dva = tl.dot(pT_in, doa, dva, input_precision=DOT_PRECISION)
@@ -188,7 +194,7 @@ def _bwd_dkdv_kernel(
             dvb = tl.dot(pT_in, dob, dvb, input_precision=DOT_PRECISION)
             dpT = tl.dot(vb, tl.trans(dob), dpT, input_precision=DOT_PRECISION)
         if ONE_KEY_BLOCK:
-            delta = _one_live_key_delta(pT, dpT, delta, n_valid[:, None], 0)
+            delta = tl.where(single, tl.sum(tl.where(live, dpT, 0.0), 0), delta)
         dsT = (pT * (dpT - delta[None, :])).to(qTa.dtype)
         dka = tl.dot(dsT, tl.trans(qTa), dka, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
@@ -300,7 +306,9 @@ def _bwd_dq_kernel(
         else:
             p = tl.math.exp2(s - lse[:, None])
         if ONE_KEY_BLOCK:  # delta stays as stored: the dK/dV kernel takes its own from its own dP
-            ds = (p * (dp - _one_live_key_delta(p, dp, delta, n_valid[None, :], 1)[:, None])).to(kTa.dtype)
+            live, single = _one_live_key(p, n_valid[None, :], 1)
+            row_delta = tl.where(single, tl.sum(tl.where(live, dp, 0.0), 1), delta)
+            ds = (p * (dp - row_delta[:, None])).to(kTa.dtype)
         else:
             ds = (p * (dp - delta[:, None])).to(kTa.dtype)
         dqa = tl.dot(ds, tl.trans(kTa), dqa, input_precision=DOT_PRECISION)
