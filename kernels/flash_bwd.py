@@ -19,9 +19,9 @@ of dK, exactly, in PyTorch. Here dS = P * (dP - delta), and delta = rowsum(dO * 
 products as dP = dO . v in another order: a rounding apart, of order eps * |dO| |v|. With at most
 :data:`ONE_BLOCK_KEYS` keys, every key of a row is in one block, and both kernels take such a row's
 delta as its one live entry of dP, to the bit: dS is then exactly 0, whatever P's rounding; and
-its P as exactly 1, so that dV is the plain sum of dO. With
-more keys a row's keys span blocks, and finding its live keys first would cost the dQ kernel a
-second pass over them: there, the rounding stays (masks that leave one key of many are rare).
+its P as exactly 1, so that dV is the plain sum of dO. With more keys a row's keys span blocks,
+and finding its live keys first would cost the dQ kernel a second pass over them: there, the
+rounding stays (masks that leave one key of many are rare).
 """
 
 from __future__ import annotations
