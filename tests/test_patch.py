@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers.models import attention_processor as ap
 from diffusers.models.attention_processor import Attention
+from safetensors.torch import save_file
 
 import arch
 from sdpatch import (
@@ -28,6 +29,7 @@ from sdpatch import (
     patch_unet,
     unpatch_unet,
 )
+from sdpatch.models import build_preset
 from sdpatch.patch import STOCK_PROCESSORS
 
 FP32_RTOL = 1e-5
@@ -603,12 +605,12 @@ def unpatched(model: torch.nn.Module) -> bool:
     ) and "set_default_attn_processor" not in vars(model)
 
 
+IP_EMBED, IP_TOKENS = 24, 4  # the image embedding's width; tokens the plain IP-Adapter projects it to
+
+
 def image_embeds(batch: int = 2) -> dict:
     g = torch.Generator().manual_seed(7)
     return {"added_cond_kwargs": {"image_embeds": [torch.randn(batch, 1, IP_EMBED, generator=g)]}}
-
-
-IP_EMBED, IP_TOKENS = 24, 4  # the image embedding's width; tokens the plain IP-Adapter projects it to
 
 
 def ip_adapter_weights(unet) -> dict[str, torch.Tensor]:
@@ -633,9 +635,7 @@ def ip_adapter_weights(unet) -> dict[str, torch.Tensor]:
 def test_ip_adapter_on_a_patched_pipeline(tmp_path):
     """Loading an IP-Adapter gives its layers diffusers' IP-Adapter processors and leaves the rest
     patched; unloading it patches every layer again; the report says so at each step."""
-    from safetensors.torch import save_file
-
-    from transformers import CLIPImageProcessor
+    from transformers import CLIPImageProcessor  # here: importing it logs transformers' torchvision notice
 
     pipe = arch.sd_pipeline()
     # diffusers 0.30 builds a missing feature extractor from the image encoder, which is not loaded here.
@@ -711,8 +711,6 @@ AFTER_PATCH = [
 
 @pytest.mark.parametrize("action, served", AFTER_PATCH)
 def test_diffusers_api_after_patching(action, served):
-    from sdpatch.models import build_preset
-
     pipe = build_preset("tiny")
     models = {"unet": pipe.unet, "vae": pipe.vae}
     inputs = {"unet": arch.unet_inputs(pipe.unet), "vae": arch.vae_inputs(pipe.vae)}
@@ -732,8 +730,6 @@ def test_diffusers_api_after_patching(action, served):
 
 def test_save_and_load_a_patched_pipeline(tmp_path):
     """A patched pipeline saves what diffusers would, and loads back as a plain one."""
-    from sdpatch.models import build_preset
-
     pipe = build_preset("tiny")
     kw = arch.unet_inputs(pipe.unet)
     patch_unet(pipe, **SETTINGS)
