@@ -13,6 +13,15 @@ four PyTorch ops adding the partial sums made 7 launches there, now 3.
 
 Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
 deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
+
+A row with one live key (one key in all, or every other masked) has dS = 0, so dQ = 0 and no share
+of dK, exactly, in PyTorch. Here dS = P * (dP - delta), and delta = rowsum(dO * O) sums the same
+products as dP = dO . v in another order: a rounding apart, of order eps * |dO| |v|. With at most
+:data:`ONE_BLOCK_KEYS` keys, every key of a row is in one block, and both kernels take such a row's
+delta as its one live entry of dP, to the bit: dS is then exactly 0, whatever P's rounding; and
+its P as exactly 1, so that dV is the plain sum of dO. With more keys a row's keys span blocks,
+and finding its live keys first would cost the dQ kernel a second pass over them: there, the
+rounding stays (masks that leave one key of many are rare).
 """
 
 from __future__ import annotations
@@ -65,6 +74,16 @@ def _load_cols(ptrs, stride_d, offs_d, d_valid, col_valid, DOT_FP32: tl.constexp
 
 
 @triton.jit
+def _one_live_key(p, valid, AXIS: tl.constexpr):
+    """(live, single): the entries of ``p`` that are nonzero among ``valid`` keys, and the rows
+    (along ``AXIS``) with exactly one. Such a row's P is 1 there, exactly (a softmax of one score;
+    the recomputed score may differ from the forward's in its last bit), and its delta is that
+    entry's dP, to the bit, so that dS = P * (dP - delta) is exactly 0."""
+    live = (p > 0) & valid
+    return live, tl.sum(live.to(tl.int32), AXIS) == 1
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Mask, DO, DK, DV, Lse, Delta,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -89,6 +108,7 @@ def _bwd_dkdv_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
+    ONE_KEY_BLOCK: tl.constexpr,  # N_K <= ONE_BLOCK_KEYS: a row's keys are all in one block
     EVEN_M: tl.constexpr,  # N_Q % BLOCK_M == 0: no query-tail masking
 ):
     # Grid dim 0 is key block x query split: with few keys (77 text tokens are 2 blocks a head),
@@ -160,6 +180,10 @@ def _bwd_dkdv_kernel(
         else:
             pT = tl.math.exp2(sT - lse[None, :])
 
+        if ONE_KEY_BLOCK:
+            live, single = _one_live_key(pT, n_valid[:, None], 0)
+            pT = tl.where(live & single[None, :], 1.0, pT)
+
         # -- dV += P^T dO; dS^T = P^T * (dP^T - delta); dK += dS^T Q ------------------------
         pT_in = pT.to(doa.dtype)
         dva = tl.dot(pT_in, doa, dva, input_precision=DOT_PRECISION)
@@ -167,6 +191,8 @@ def _bwd_dkdv_kernel(
         if BLOCK_DB > 0:
             dvb = tl.dot(pT_in, dob, dvb, input_precision=DOT_PRECISION)
             dpT = tl.dot(vb, tl.trans(dob), dpT, input_precision=DOT_PRECISION)
+        if ONE_KEY_BLOCK:
+            delta = tl.where(single, tl.sum(tl.where(live, dpT, 0.0), 0), delta)
         dsT = (pT * (dpT - delta[None, :])).to(qTa.dtype)
         dka = tl.dot(dsT, tl.trans(qTa), dka, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
@@ -216,6 +242,7 @@ def _bwd_dq_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot returns garbage (triton 3.9)
     ALIGN: tl.constexpr,  # every row start is a multiple of ALIGN elements (vector_align)
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
+    ONE_KEY_BLOCK: tl.constexpr,  # N_K <= ONE_BLOCK_KEYS: the key loop runs once
     EVEN_N: tl.constexpr,  # N_K % BLOCK_N == 0: no key-tail masking
 ):
     pid_m = tl.program_id(0)
@@ -276,7 +303,12 @@ def _bwd_dq_kernel(
             p = tl.math.exp2(s * qk_scale - lse[:, None])
         else:
             p = tl.math.exp2(s - lse[:, None])
-        ds = (p * (dp - delta[:, None])).to(kTa.dtype)
+        if ONE_KEY_BLOCK:  # delta stays as stored: the dK/dV kernel takes its own from its own dP
+            live, single = _one_live_key(p, n_valid[None, :], 1)
+            row_delta = tl.where(single, tl.sum(tl.where(live, dp, 0.0), 1), delta)
+            ds = (p * (dp - row_delta[:, None])).to(kTa.dtype)
+        else:
+            ds = (p * (dp - delta[:, None])).to(kTa.dtype)
         dqa = tl.dot(ds, tl.trans(kTa), dqa, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
             dqb = tl.dot(ds, tl.trans(kTb), dqb, input_precision=DOT_PRECISION)
@@ -371,6 +403,7 @@ def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> i
 
 
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+ONE_BLOCK_KEYS = 16  # keys that one block of every tile holds (every BLOCK_N is at least this)
 _SUM_BLOCK_N = 32  # key rows per program of the partial-sum kernel: memory-bound, a few us
 
 
@@ -405,7 +438,8 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
     configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG) if interpreting() else None
-    return _BwdPlan(kernel_meta(q, block_da, block_db, kind, align, scale), max(16, triton.next_power_of_2(D)), splits, configs)
+    meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
+    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs)
 
 
 def dkdv_grid(n_k: int, bh: int, splits: int, block_n: int) -> tuple[int, int, int]:

@@ -8,6 +8,7 @@
 - Launches with B*H > 65,535 and with long sequences.
 - Every case through a layout's three kinds of launch: the autotuning call, the call that launches
   its plan's tiles through Triton's JIT, and the calls after, straight to the compiled binary.
+- Rows with one live key get exactly zero dQ and dK shares (triton and chunked).
 - The Gluon Hopper forward (``sdpatch.kernels.flash_fwd_hopper``) against float64, and its
   log-sum-exp against the Triton kernel's, wherever its layout rules take a case.
 Prints one line per check and exits non-zero if any fails.
@@ -173,6 +174,30 @@ def check_memory() -> None:
     print(f"INFO memory sdpa: extra peak {s / 2**20:.1f} MiB")
 
 
+def check_one_live_key() -> None:
+    """Rows with one live key (one key in all, or all others masked): dQ and their share of dK are
+    exactly 0 on both backends, as in PyTorch; compiled kernels, where FMA contraction leaves P
+    a rounding off 1."""
+    for Nk, D, dtype in [(1, 40, torch.float16), (1, 64, torch.bfloat16), (1, 80, torch.float32), (9, 40, torch.float16)]:
+        q, k, v = (t.requires_grad_() for t in qkv(2, 4, 333, Nk, D, dtype, "bnhd"))
+        rows = torch.arange(333, device="cuda")
+        single = rows % 2 == 0 if Nk > 1 else torch.ones_like(rows, dtype=torch.bool)
+        mask = torch.ones(333, Nk, dtype=torch.bool, device="cuda")
+        if Nk > 1:
+            mask[single] = torch.nn.functional.one_hot(rows[single] % Nk, Nk).bool()
+        mask = mask if Nk > 1 else None
+        do = torch.randn(q.shape, device="cuda", dtype=dtype)
+        for backend in ("triton", "chunked"):
+            def grads(do):
+                return torch.autograd.grad(attention(q, k, v, attn_mask=mask, backend=backend), (q, k, v), do)
+
+            dq, dk, _ = grads(do)
+            same_dk = torch.equal(dk, grads(do * (~single).to(dtype)[:, None])[1])
+            ok = bool(torch.all(dq[:, :, single] == 0)) and same_dk
+            report(f"one live key {backend} N333x{Nk}-D{D}-{str(dtype)[6:]}", ok,
+                   f"max |dQ| of those rows {dq[:, :, single].abs().max().item():.1e}, their dK share exactly 0: {same_dk}")
+
+
 def check_large_grids() -> None:
     # B*H past 65,535 (grid dims 1 and 2) and a long single sequence (grid dim 0).
     for B, H, N, D in [(9000, 8, 16, 40), (1, 1, 2**20, 16)]:
@@ -194,5 +219,6 @@ if __name__ == "__main__":
         check_mixed_grids()
         check_memory()
         check_large_grids()
+        check_one_live_key()
     print(f"{len(failures)} failed: {failures}" if failures else "all GPU checks passed")
     sys.exit(1 if failures else 0)

@@ -10,8 +10,9 @@ from .attention import (
     choose_backend,
     explain,
 )
+from .errors import InputError
 from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
-from .planner import Plan, apply_plan, fit, plan, remove_plan
+from .planner import Plan, PlannerError, apply_plan, fit, plan, remove_plan
 from .processor import SdpatchAttnProcessor
 from .speed import apply_speed as speed_up
 from .speed import remove_speed
@@ -23,8 +24,10 @@ __all__ = [
     "BackendChoice",
     "BackendUnavailableError",
     "Fallback",
+    "InputError",
     "PatchReport",
     "Plan",
+    "PlannerError",
     "SdpatchAttnProcessor",
     "apply_plan",
     "attention",

@@ -141,7 +141,7 @@ class CompareSettings:
         if self.max_size_limit < SIZE_STEP or self.max_size_limit % SIZE_STEP:
             raise InputError(f"--max-size-limit must be a positive multiple of {SIZE_STEP}, got {self.max_size_limit}")
         if self.vram_budget is not None:
-            parse_budget(self.vram_budget)
+            parse_budget(self.vram_budget, "--vram-budget")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -434,7 +434,7 @@ def run(
     """
     request.validate()
     if vram_budget is not None:
-        parse_budget(vram_budget)
+        parse_budget(vram_budget, "--vram-budget")
     elif best_effort:
         raise InputError("--best-effort is only used with --vram-budget")
     setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle,

@@ -152,9 +152,7 @@ def load_pipeline(source: ModelSource, *, device: torch.device, dtype: torch.dty
     """
     if source.kind == "preset":
         return build_preset(source.location, device=device, dtype=dtype)
-    import diffusers
-
-    cls = getattr(diffusers, source.pipeline_class)
+    cls = diffusers_pipeline(source.pipeline_class)
     try:
         with warnings.catch_warnings():
             # Newer diffusers renamed torch_dtype to dtype; older ones know only torch_dtype.
@@ -178,8 +176,6 @@ def build_preset(name: str, *, device: torch.device | str = "cpu", dtype: torch.
     full-size presets build quickly on a GPU. ``device="meta"`` builds them without memory, which
     is how tests check their sizes. The caller's random state is left as it was.
     """
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
     device = torch.device(device)
@@ -190,10 +186,30 @@ def build_preset(name: str, *, device: torch.device | str = "cpu", dtype: torch.
     components["scheduler"] = _component(name, "scheduler")
     tokenizer = _local_tokenizer()
     if name == "sdxl":
-        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, **components)
-    return StableDiffusionPipeline(
+        return diffusers_pipeline("StableDiffusionXLPipeline")(tokenizer=tokenizer, tokenizer_2=tokenizer, **components)
+    return diffusers_pipeline("StableDiffusionPipeline")(
         tokenizer=tokenizer, safety_checker=None, feature_extractor=None, requires_safety_checker=False, **components
     )
+
+
+def diffusers_pipeline(name: str) -> type:
+    """diffusers' pipeline class ``name``. Its first import loads transformers' image processors,
+    and transformers 5 logs for each that, without torchvision, it falls back to the PIL version:
+    text-to-image never uses them, so sdpatch's import drops those notices (only those)."""
+    import diffusers
+
+    source = logging.getLogger("transformers.utils.import_utils")
+    quiet = _TorchvisionFallbacks()
+    source.addFilter(quiet)
+    try:
+        return getattr(diffusers, name)
+    finally:
+        source.removeFilter(quiet)
+
+
+class _TorchvisionFallbacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back" not in record.getMessage()
 
 
 def default_size(pipe: Any) -> int:

@@ -5,10 +5,17 @@ own :class:`SdpatchAttnProcessor`; the original processor object is kept on the 
 ``unpatch_unet`` restores it by identity. Patching is idempotent: a second patch starts again from
 the originals. Any other processor (IP-Adapter, Custom Diffusion, PAG, user classes) stays in place
 and the report names it.
+
+diffusers resets processors itself: loading and unloading an IP-Adapter, fusing projections,
+attention slicing, and it rebuilds a processor as ``type(processor)()``. So a patched layer stays
+patched through those: its ``set_processor`` serves a stock processor set on it, and a bare
+``SdpatchAttnProcessor()``, with the layer's sdpatch settings. ``set_default_attn_processor`` on a
+patched model means diffusers' defaults: it unpatches that model first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass, fields
 
@@ -34,6 +41,42 @@ STOCK_PROCESSORS: tuple[type, ...] = tuple(getattr(_ap, n) for n in _STOCK_NAMES
 _FUSED = getattr(_ap, "FusedAttnProcessor2_0", None)
 
 _ORIGINAL = "_sdpatch_original_processor"  # attribute on each patched Attention module
+# Per-instance overrides of diffusers' methods on what is patched (see the module docstring).
+_SET_PROCESSOR = "set_processor"  # on each patched Attention module
+_SET_DEFAULT = "set_default_attn_processor"  # on each model (pipeline component) with a patched layer
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """How a patched layer is served: the arguments of its :class:`SdpatchAttnProcessor`."""
+
+    name: str
+    backend: str
+    chunk_budget: int | None
+    recompute: bool
+
+    def processor(self, fused: bool) -> SdpatchAttnProcessor:
+        return SdpatchAttnProcessor(
+            self.name, backend=self.backend, chunk_budget=self.chunk_budget, fused=fused, recompute=self.recompute
+        )
+
+
+def _set_processor(attn: Attention, settings: _Settings, processor, *args, **kwargs) -> None:
+    """``attn.set_processor`` on a patched layer: a stock processor, or a bare
+    ``SdpatchAttnProcessor()``, is served by sdpatch with the layer's settings; anything else
+    (an IP-Adapter's processor, a user's class) is set as given."""
+    if type(processor) in STOCK_PROCESSORS:
+        processor = settings.processor(fused=type(processor) is _FUSED)
+    elif isinstance(processor, SdpatchAttnProcessor) and processor.name is None:
+        current = attn.processor
+        processor = settings.processor(fused=isinstance(current, SdpatchAttnProcessor) and current.fused)
+    type(attn).set_processor(attn, processor, *args, **kwargs)
+
+
+def _set_default_attn_processor(model: torch.nn.Module) -> None:
+    """``set_default_attn_processor`` of a patched model: unpatch it, then diffusers' own."""
+    unpatch_unet(model)
+    model.set_default_attn_processor()
 
 
 @dataclass(frozen=True)
@@ -102,6 +145,17 @@ class PatchReport:
 
 def _attention_layers(target: object, include_vae: bool) -> list[tuple[str, Attention]]:
     """(name, module) for every diffusers Attention layer in ``target``; TypeError if there are none."""
+    layers = [(prefix + n, m) for prefix, part in _parts(target, include_vae) for n, m in part.named_modules() if isinstance(m, Attention)]
+    if not layers:
+        raise TypeError(
+            "patch_unet expects a diffusers pipeline, UNet2DConditionModel, AutoencoderKL or another torch "
+            f"module with diffusers Attention layers; got {type(target).__name__}, which has none"
+        )
+    return layers
+
+
+def _parts(target: object, include_vae: bool) -> list[tuple[str, torch.nn.Module]]:
+    """(name prefix, model) for ``target`` itself or each of a pipeline's components."""
     if isinstance(target, torch.nn.Module):
         parts = [("", target)]
     elif isinstance(getattr(target, "components", None), dict):
@@ -115,13 +169,7 @@ def _attention_layers(target: object, include_vae: bool) -> list[tuple[str, Atte
         ]
     else:
         parts = []
-    layers = [(prefix + n, m) for prefix, part in parts for n, m in part.named_modules() if isinstance(m, Attention)]
-    if not layers:
-        raise TypeError(
-            "patch_unet expects a diffusers pipeline, UNet2DConditionModel, AutoencoderKL or another torch "
-            f"module with diffusers Attention layers; got {type(target).__name__}, which has none"
-        )
-    return layers
+    return parts
 
 
 def _original(attn: Attention):
@@ -179,7 +227,9 @@ def patch_unet(
         sequence lengths each layer got.
 
     Patching again re-patches from the original processors (for example with another backend);
-    :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay.
+    :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay. A stock
+    processor set on a patched layer later, by diffusers or by you, is served by sdpatch too, and
+    the model's ``set_default_attn_processor()`` unpatches it (see the module docstring).
 
     Raises:
         TypeError: ``target`` has no diffusers Attention layers.
@@ -197,7 +247,9 @@ def patch_unet(
     plan = []
     for name, attn in layers:  # check every layer before changing any
         original = _original(attn)
-        if type(original) not in STOCK_PROCESSORS:
+        # A layer patched before that holds another processor now (an IP-Adapter's) keeps it, and
+        # takes the new settings for when diffusers resets it.
+        if type(original) not in STOCK_PROCESSORS and not hasattr(attn, _ORIGINAL):
             continue
         device, dtype = _weights(attn)
         try:
@@ -216,11 +268,15 @@ def patch_unet(
     for _, module in graphs.graphed_components(target):
         graphs.reset(module)  # their graphs captured the processors replaced here
     for name, attn, original in plan:
-        fused = type(original) is _FUSED
-        attn.set_processor(
-            SdpatchAttnProcessor(name, backend=backend, chunk_budget=chunk_budget, fused=fused, recompute=recompute)
-        )
-        setattr(attn, _ORIGINAL, original)
+        settings = _Settings(name, backend, chunk_budget, recompute)
+        if type(original) in STOCK_PROCESSORS:
+            type(attn).set_processor(attn, settings.processor(fused=type(original) is _FUSED))
+            setattr(attn, _ORIGINAL, original)
+        setattr(attn, _SET_PROCESSOR, functools.partial(_set_processor, attn, settings))
+    patched = {id(attn) for _, attn, _ in plan}
+    for _, part in _parts(target, include_vae):
+        if hasattr(part, _SET_DEFAULT) and any(id(m) in patched for m in part.modules()):
+            setattr(part, _SET_DEFAULT, functools.partial(_set_default_attn_processor, part))
     logger.info(
         "%d attention layers patched (backend=%s, recompute=%s), %d kept",
         len(plan), backend, recompute, len(layers) - len(plan),
@@ -234,17 +290,22 @@ def patch_unet(
 def unpatch_unet(target: object) -> object:
     """Put back the processor objects that :func:`patch_unet` replaced, and return ``target``.
 
-    Layers whose processor was changed by someone else since patching keep that processor.
+    Layers that hold another processor than sdpatch's now (an IP-Adapter's, a user's) keep it.
     A pipeline's VAE is always included. CUDA graphs applied with ``cuda_graphs=True`` are released.
     """
     from .speed import remove_speed
 
     remove_speed(target)
     for _, attn in _attention_layers(target, include_vae=True):
+        if _SET_PROCESSOR in vars(attn):
+            delattr(attn, _SET_PROCESSOR)
         if isinstance(attn.processor, SdpatchAttnProcessor) and hasattr(attn, _ORIGINAL):
             attn.set_processor(getattr(attn, _ORIGINAL))
         if hasattr(attn, _ORIGINAL):
             delattr(attn, _ORIGINAL)
+    for _, part in _parts(target, include_vae=True):
+        if _SET_DEFAULT in vars(part):
+            delattr(part, _SET_DEFAULT)
     return target
 
 

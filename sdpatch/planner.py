@@ -786,16 +786,17 @@ def device_state(pipe: Any, spec: ModelSpec) -> DeviceState:
     return DeviceState(False, max(0, host_resident_bytes() - resident))
 
 
-def parse_budget(text: str | float) -> float | Literal["auto"]:
-    """``--vram-budget``: a positive number of GiB, or ``auto`` (the device's free memory)."""
+def parse_budget(text: str | float, what: str = "budget") -> float | Literal["auto"]:
+    """A budget: a positive number of GiB, or ``auto`` (the device's free memory). ``what`` names
+    it in the error: the argument for library calls, the option (``--vram-budget``) for the CLI's."""
     if isinstance(text, str) and text.strip().lower() == "auto":
         return "auto"
     try:
         gib = float(text)
     except (TypeError, ValueError):
-        raise PlannerError(f"--vram-budget must be a number of GiB or 'auto', got {text!r}") from None
+        raise PlannerError(f"{what} must be a number of GiB or 'auto', got {text!r}") from None
     if not (math.isfinite(gib) and gib > 0):
-        raise PlannerError(f"--vram-budget must be a positive number of GiB, got {text!r}")
+        raise PlannerError(f"{what} must be a positive number of GiB, got {text!r}")
     return gib
 
 

@@ -37,7 +37,9 @@ class SdpatchAttnProcessor:
     show the sequence lengths it last saw.
 
     Args:
-        name: the module's name, used in error messages and the report.
+        name: the module's name, used in error messages. None: a bare processor, as diffusers
+            builds them (``type(processor)()``, when it loads or unloads an IP-Adapter); set on a
+            patched layer, it is replaced by one with that layer's settings (see :mod:`sdpatch.patch`).
         backend: passed to :func:`sdpatch.attention` on every call.
         chunk_budget: bytes of score buffer for the chunked backend (``None``: its default).
         fused: use the fused ``to_qkv`` / ``to_kv`` projections, as ``FusedAttnProcessor2_0``
@@ -55,7 +57,7 @@ class SdpatchAttnProcessor:
 
     def __init__(
         self,
-        name: str,
+        name: str | None = None,
         *,
         backend: str = "auto",
         chunk_budget: int | None = None,

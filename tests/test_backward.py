@@ -184,3 +184,58 @@ def test_triton_backward_tails_with_every_score_far_below_zero():
     for name, got, want in zip("qkv", grads, ref):
         assert torch.isfinite(got).all(), f"d{name}"
         assert rel_err(got, want) <= RTOL[torch.float16], f"d{name}"
+
+
+def one_live_key_mask(kind: str, Nq: int, Nk: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A mask under which the even query rows see one key only (key r % Nk) and the odd ones see
+    every key, and the (Nq,) flags of the rows with one live key; Nk = 1: no mask, every row."""
+    rows = torch.arange(Nq)
+    if Nk == 1:
+        return None, torch.ones(Nq, dtype=torch.bool)
+    single = rows % 2 == 0
+    keep = torch.ones(Nq, Nk, dtype=torch.bool)
+    keep[single] = torch.nn.functional.one_hot(rows[single] % Nk, Nk).bool()
+    mask = keep if kind == "bool" else torch.zeros(Nq, Nk).masked_fill(~keep, float("-inf")).to(dtype)
+    return mask, single
+
+
+# Keys live for a query row: with one, dS = P * (dP - delta) is 0, so the row's dQ and its share
+# of dK are exactly 0 (as PyTorch's are); the other rows and dV are held to the usual budget.
+ONE_KEY_CASES = [
+    pytest.param(1, 2, 6, 1, 40, dtype, "none", id=f"N6x1-D40-{name}") for name, dtype in DT.items() if name != "fp64"
+] + [
+    pytest.param(2, 1, 20, 1, 80, torch.float32, "none", id="B2-N20x1-D80-fp32"),  # a query tail; two head-dim tiles
+    pytest.param(1, 2, 9, 5, 16, torch.float32, "bool", id="N9x5-D16-fp32-bool"),
+    pytest.param(1, 1, 9, 12, 40, torch.float16, "additive", id="N9x12-D40-fp16-additive"),
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,mask_kind", ONE_KEY_CASES)
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_rows_with_one_live_key_get_exact_zero_gradients(backend, B, H, Nq, Nk, D, dtype, mask_kind):
+    q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Nq, Nk, D, dtype, seed=11))
+    mask, single = one_live_key_mask(mask_kind, Nq, Nk, dtype)
+    do = torch.randn(B, H, Nq, D, generator=torch.Generator().manual_seed(12)).to(dtype)
+
+    def grads(do):
+        return torch.autograd.grad(attention(q, k, v, attn_mask=mask, backend=backend), (q, k, v), do)
+
+    dq, dk, dv = grads(do)
+    assert torch.all(dq[:, :, single] == 0)
+    # The rows with one key add exactly nothing to dK: it is, to the bit, dK without their dO.
+    assert torch.equal(dk, grads(do * (~single).to(dtype)[:, None])[1])
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=mask), (q64, k64, v64), do.double())
+    for name, g, r in zip("qkv", (dq, dk, dv), ref):
+        assert rel_err(g, r) <= RTOL[dtype], f"d{name}"
+
+
+def test_every_key_tile_holds_the_one_block_keys():
+    """The kernels take a row's keys as one block up to ONE_BLOCK_KEYS keys: right only while
+    every tile (the interpreter's too) has at least that many keys."""
+    from sdpatch.kernels.flash_bwd import _INTERPRET_CONFIG, ONE_BLOCK_KEYS, _dkdv_configs, _dq_configs
+
+    assert _INTERPRET_CONFIG["BLOCK_N"] >= ONE_BLOCK_KEYS
+    for c in _dkdv_configs() + _dq_configs():
+        assert c.kwargs["BLOCK_N"] >= ONE_BLOCK_KEYS, c

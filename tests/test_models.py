@@ -314,3 +314,28 @@ def test_step_time_leaves_out_only_the_first_step_of_a_run():
     assert both.seconds_per_step == pytest.approx(1.5)
     assert both.seconds == pytest.approx(8.0)
     assert PhaseStats("x", step_seconds=[4.0]).seconds_per_step == 4.0
+
+
+LIBRARY_IMPORTS = {
+    "diffusers": "from diffusers import StableDiffusionPipeline",
+    "sdpatch": "import sdpatch; from sdpatch.models import build_preset; build_preset('tiny')",
+}
+
+
+def test_library_use_drops_only_transformers_torchvision_notices():
+    """transformers 5 without torchvision logs a fallback notice per image processor when diffusers'
+    pipelines are first imported; sdpatch's own import of them drops those, and nothing else: a
+    transformers warning of the user's still shows."""
+    import subprocess
+    import sys
+
+    mine = "from transformers.utils import logging; logging.get_logger('transformers.mine').warning('my own warning')"
+
+    def stderr(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", f"{code}; {mine}"], capture_output=True, text=True, check=True).stderr
+
+    notice = "requires torchvision (not installed)"
+    if notice not in stderr(LIBRARY_IMPORTS["diffusers"]):
+        pytest.skip("this transformers logs no torchvision fallback notice")
+    err = stderr(LIBRARY_IMPORTS["sdpatch"])
+    assert notice not in err and "my own warning" in err

@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers.models import attention_processor as ap
 from diffusers.models.attention_processor import Attention
+from safetensors.torch import save_file
 
 import arch
 from sdpatch import (
@@ -28,6 +29,8 @@ from sdpatch import (
     patch_unet,
     unpatch_unet,
 )
+from sdpatch.models import build_preset
+from sdpatch.patch import STOCK_PROCESSORS
 
 FP32_RTOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -183,8 +186,9 @@ def test_patch_after_unpatch(sd15):
 
 def test_processor_replaced_after_patch_is_left_alone(sd15):
     patch_unet(sd15)
-    mine = ap.AttnProcessor()
+    mine = UserProcessor()
     sd15.set_attn_processor(mine)
+    assert patch_report(sd15).patched == 0
     unpatch_unet(sd15)
     assert all(m.processor is mine for m in layers(sd15).values())
 
@@ -574,3 +578,164 @@ def test_triton_for_a_cpu_resident_model_on_a_cuda_machine(sd15, no_interpreter,
     assert patch_unet(sd15, backend="triton").patched == len(layers(sd15))
     with pytest.raises(BackendUnavailableError, match="layer 'down_blocks.0.*got cpu"):
         run(sd15, arch.unet_inputs(sd15))
+
+
+# -- diffusers' own API on a patched model -------------------------------------------------------
+# diffusers resets processors itself (IP-Adapters, fused projections, slicing) and rebuilds them as
+# type(processor)(): a patched layer stays patched through those, with its settings.
+
+SETTINGS = {"backend": "chunked", "chunk_budget": 1 << 20}
+
+
+def served_by_sdpatch(model: torch.nn.Module, prefix: str, fused: bool = False) -> bool:
+    """Every attention layer of ``model`` has its own processor with the patch's settings."""
+    return all(
+        isinstance(m.processor, SdpatchAttnProcessor)
+        and (m.processor.name, m.processor.backend, m.processor.chunk_budget, m.processor.fused)
+        == (prefix + n, SETTINGS["backend"], SETTINGS["chunk_budget"], fused)
+        for n, m in layers(model).items()
+    )
+
+
+def unpatched(model: torch.nn.Module) -> bool:
+    """Only diffusers' own processors, and nothing of sdpatch's left on the modules."""
+    return all(
+        type(m.processor) in STOCK_PROCESSORS and not {k for k in vars(m) if "sdpatch" in k or k == "set_processor"}
+        for m in layers(model).values()
+    ) and "set_default_attn_processor" not in vars(model)
+
+
+IP_EMBED, IP_TOKENS = 24, 4  # the image embedding's width; tokens the plain IP-Adapter projects it to
+
+
+def image_embeds(batch: int = 2) -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"added_cond_kwargs": {"image_embeds": [torch.randn(batch, 1, IP_EMBED, generator=g)]}}
+
+
+def ip_adapter_weights(unet) -> dict[str, torch.Tensor]:
+    """A random plain IP-Adapter for ``unet``, flat as in an ``ip-adapter.safetensors``: the image
+    projection, and K and V projections of the image tokens for each cross-attention layer,
+    numbered 1, 3, 5, ... in diffusers' ``attn_processors`` order."""
+    g = torch.Generator().manual_seed(6)
+    width = unet.config.cross_attention_dim
+    weights = {
+        "image_proj.proj.weight": torch.randn(IP_TOKENS * width, IP_EMBED, generator=g) * 0.1,
+        "image_proj.proj.bias": torch.zeros(IP_TOKENS * width),
+        "image_proj.norm.weight": torch.ones(width),
+        "image_proj.norm.bias": torch.zeros(width),
+    }
+    cross = [m for m in layers(unet).values() if m.is_cross_attention]
+    for i, attn in enumerate(cross):
+        for proj in ("to_k_ip", "to_v_ip"):
+            weights[f"ip_adapter.{2 * i + 1}.{proj}.weight"] = torch.randn(attn.to_k.out_features, width, generator=g) * 0.1
+    return weights
+
+
+def test_ip_adapter_on_a_patched_pipeline(tmp_path):
+    """Loading an IP-Adapter gives its layers diffusers' IP-Adapter processors and leaves the rest
+    patched; unloading it patches every layer again; the report says so at each step."""
+    from transformers import CLIPImageProcessor  # here: importing it logs transformers' torchvision notice
+
+    pipe = arch.sd_pipeline()
+    # diffusers 0.30 builds a missing feature extractor from the image encoder, which is not loaded here.
+    pipe.register_modules(feature_extractor=CLIPImageProcessor())
+    unet = pipe.unet
+    save_file(ip_adapter_weights(unet), str(tmp_path / "ip.safetensors"))
+
+    def load():
+        pipe.load_ip_adapter(str(tmp_path), subfolder="", weight_name="ip.safetensors", image_encoder_folder=None)
+
+    kw = arch.unet_inputs(unet)
+    load()
+    ref_ip = run(unet, kw, **image_embeds())
+    pipe.unload_ip_adapter()
+    ref = run(unet, kw)
+    assert rel_err(ref_ip, ref) > 1e-3
+
+    patch_unet(pipe, **SETTINGS)
+    load()
+    cross = {n for n, m in layers(unet).items() if m.is_cross_attention}
+    by_name = {r.name: r for r in patch_report(pipe).rows}
+    for name, attn in layers(unet).items():
+        row = by_name[f"unet.{name}"]
+        if name in cross:
+            assert type(attn.processor) is ap.IPAdapterAttnProcessor2_0
+            assert (row.patched, row.backend) == (False, "kept: IPAdapterAttnProcessor2_0")
+        else:
+            assert isinstance(attn.processor, SdpatchAttnProcessor) and attn.processor.name == f"unet.{name}"
+            assert (row.patched, row.backend) == (True, "chunked")
+    assert rel_err(run(unet, kw, **image_embeds()), ref_ip) <= FP32_RTOL
+
+    pipe.unload_ip_adapter()
+    assert served_by_sdpatch(unet, "unet.") and patch_report(pipe).patched == len(patch_report(pipe).rows)
+    assert rel_err(run(unet, kw), ref) <= FP32_RTOL
+    unpatch_unet(pipe)
+    assert unpatched(unet) and unpatched(pipe.vae)
+
+
+def test_bare_processor_takes_the_patched_layers_settings(sd15):
+    """diffusers' ``type(processor)()``: on a patched layer it becomes the layer's own processor."""
+    patch_unet(sd15, **SETTINGS)
+    sd15.set_attn_processor({f"{n}.processor": type(m.processor)() for n, m in layers(sd15).items()})
+    assert served_by_sdpatch(sd15, "")
+    unpatch_unet(sd15)
+    assert unpatched(sd15)
+
+
+def set_default(component: str):
+    def call(pipe):
+        getattr(pipe, component).set_default_attn_processor()
+
+    return call
+
+
+# (what the user does after patching, and then how each model is served: "patched", "fused" or
+# "stock"; set_default_attn_processor means diffusers' defaults, so it unpatches that model).
+AFTER_PATCH = [
+    pytest.param(set_default("unet"), {"unet": "stock", "vae": "patched"}, id="unet.set_default_attn_processor"),
+    pytest.param(set_default("vae"), {"unet": "patched", "vae": "stock"}, id="vae.set_default_attn_processor"),
+    pytest.param(lambda pipe: pipe.fuse_qkv_projections(), {"unet": "fused", "vae": "fused"}, id="fuse_qkv_projections"),
+    pytest.param(
+        lambda pipe: (pipe.fuse_qkv_projections(), pipe.unfuse_qkv_projections()),
+        {"unet": "patched", "vae": "patched"},
+        id="unfuse_qkv_projections",
+    ),
+    pytest.param(lambda pipe: pipe.enable_attention_slicing(1), {"unet": "patched", "vae": "patched"}, id="enable_attention_slicing"),
+    pytest.param(
+        lambda pipe: pipe.unet.set_attn_processor(ap.AttnProcessor()), {"unet": "patched", "vae": "patched"},
+        id="set_attn_processor-stock",
+    ),
+]
+
+
+@pytest.mark.parametrize("action, served", AFTER_PATCH)
+def test_diffusers_api_after_patching(action, served):
+    pipe = build_preset("tiny")
+    models = {"unet": pipe.unet, "vae": pipe.vae}
+    inputs = {"unet": arch.unet_inputs(pipe.unet), "vae": arch.vae_inputs(pipe.vae)}
+    ref = {k: run(m, inputs[k]) for k, m in models.items()}
+    patch_unet(pipe, **SETTINGS)
+    action(pipe)
+    for key, model in models.items():
+        if served[key] == "stock":
+            assert unpatched(model), key
+            assert patch_report(model).patched == 0
+        else:
+            assert served_by_sdpatch(model, f"{key}.", fused=served[key] == "fused"), key
+        assert rel_err(run(model, inputs[key]), ref[key]) <= FP32_RTOL, key
+    unpatch_unet(pipe)
+    assert all(unpatched(m) for m in models.values())
+
+
+def test_save_and_load_a_patched_pipeline(tmp_path):
+    """A patched pipeline saves what diffusers would, and loads back as a plain one."""
+    pipe = build_preset("tiny")
+    kw = arch.unet_inputs(pipe.unet)
+    patch_unet(pipe, **SETTINGS)
+    out = run(pipe.unet, kw)
+    pipe.save_pretrained(tmp_path)
+    loaded = type(pipe).from_pretrained(tmp_path)
+    assert served_by_sdpatch(pipe.unet, "unet.") and unpatched(loaded.unet) and unpatched(loaded.vae)
+    assert loaded.unet.state_dict().keys() == pipe.unet.state_dict().keys()
+    assert rel_err(run(loaded.unet, kw), out) <= FP32_RTOL

@@ -390,9 +390,21 @@ def test_auto_budget_is_free_memory_plus_what_the_process_holds(tiny):
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "lots", ""])
-def test_bad_budgets_are_refused(text):
-    with pytest.raises(PlannerError, match="--vram-budget"):
+def test_bad_budgets_are_refused_in_the_callers_words(text):
+    with pytest.raises(PlannerError, match="^budget must be a"):
         parse_budget(text)
+    with pytest.raises(PlannerError, match="^--vram-budget must be a"):
+        parse_budget(text, "--vram-budget")
+
+
+def test_library_plan_names_its_argument_and_the_cli_its_option(tiny, tmp_path):
+    import sdpatch
+
+    with pytest.raises(sdpatch.PlannerError, match="^budget must be a positive number of GiB, got -1$"):
+        sdpatch.plan(tiny, -1)
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--vram-budget=-1")
+    assert result.exit_code == 2
+    assert "--vram-budget must be a positive number of GiB, got '-1'" in result.stderr
 
 
 def test_parse_budget():

@@ -123,15 +123,22 @@ def _forward(q, k, v, scale, mask, plan, score_dtype, with_lse):
     return out, lse
 
 
-def _backward(do, q, k, v, out, lse, scale, mask, budget):
-    """Gradients by recomputation, chunk by chunk; the P and dP buffers share the budget."""
+def _backward(do, q, k, v, lse, scale, mask, budget):
+    """Gradients by recomputation, chunk by chunk; the P and dP buffers share the budget.
+
+    dS = P * (dP - delta), with delta = rowsum(P * dP) from the chunk's own P and dP (each chunk
+    holds whole rows), not rowsum(dO * O) as flash attention's kernels take it: the two are equal
+    in exact arithmetic, but only the first is dP itself, to the bit, in a row with one live key
+    (P is exactly 1 there: the log-sum-exp of one score is that score). dS is then exactly 0, as
+    are that row's dQ and its share of dK, as in PyTorch; with dO * O summed in another order,
+    they were rounding noise of order eps * |dO| |V|.
+    """
     B, H, Nq, Nk = *q.shape[:3], k.shape[2]
     f = _acc_dtype(q.dtype)
     plan = plan_chunks(B, H, Nq, 2 * (Nk + q.shape[3]) * f.itemsize, budget)
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k, dtype=f)
     dv = torch.zeros_like(v, dtype=f)
-    delta = (do.to(f) * out.to(f)).sum(-1, keepdim=True)  # rowsum(dO * O), (B, H, Nq, 1)
     p_buf, dp_buf = _Buffer(plan, Nk, q.device, f), _Buffer(plan, Nk, q.device, f)
     for bs, hs, ms in plan.slices(B, H, Nq):
         qc, doc = q[bs, hs, ms].to(f), do[bs, hs, ms].to(f)
@@ -143,7 +150,8 @@ def _backward(do, q, k, v, out, lse, scale, mask, budget):
         p.sub_(torch.where(torch.isinf(lc), float("inf"), lc)).exp_()
         dv[bs, hs] += torch.matmul(p.transpose(-1, -2), doc)
         torch.matmul(doc, vc.transpose(-1, -2), out=dp)
-        p.mul_(dp.sub_(delta[bs, hs, ms]))  # p <- dS = P * (dP - delta)
+        delta = torch.matmul(p.unsqueeze(-2), dp.unsqueeze(-1)).squeeze(-1)  # rowsum(P * dP), no (rows, Nk) temporary
+        p.mul_(dp.sub_(delta))  # p <- dS = P * (dP - delta)
         p.mul_(scale)
         dq[bs, hs, ms] = torch.matmul(p, kc).to(q.dtype)
         dk[bs, hs] += torch.matmul(p.transpose(-1, -2), qc)
@@ -163,14 +171,14 @@ class ChunkedAttention(torch.autograd.Function):
         plan = plan_chunks(B, H, Nq, (k.shape[2] + 2 * D) * f.itemsize, budget - upcast_copies)
         out, lse = _forward(q, k, v, scale, mask, plan, f, needs_grad)
         if needs_grad:
-            ctx.save_for_backward(q, k, v, out, lse, mask)
+            ctx.save_for_backward(q, k, v, lse, mask)  # not the output: the backward's delta needs no O
             ctx.scale, ctx.budget = scale, budget
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, out, lse, ctx.scale, mask, ctx.budget)
+        q, k, v, lse, mask = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, lse, ctx.scale, mask, ctx.budget)
         return dq, dk, dv, None, None, None, None
 
 
