@@ -32,26 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_fwd import (
-    LOG2E,
-    MAX_HEAD_DIM,
-    _batch_head,
-    _config_kwargs,
-    _masked_scores,
-    _plan_key,
+from .runtime import (
     autotune_options,
     cached_plan,
     cdiv,
+    config_kwargs,
     interpreting,
-    kernel_meta,
     launch,
     launch_grid,
-    mask_kind,
     on_device,
     tile_configs,
-    tiling,
     vector_align,
 )
+from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 from .flash_fwd_hopper import sm_count
 
 
@@ -116,7 +109,7 @@ def _bwd_dkdv_kernel(
     n_blocks = tl.cdiv(N_K, BLOCK_N)
     pid_n = tl.program_id(0) % n_blocks
     pid_s = tl.program_id(0) // n_blocks
-    pid_bh, off_b, off_h = _batch_head(H)
+    pid_bh, off_b, off_h = batch_head(H)
     if pid_bh >= BH:
         return
     m_per_split = tl.cdiv(tl.cdiv(N_Q, BLOCK_M), n_splits) * BLOCK_M
@@ -174,7 +167,7 @@ def _bwd_dkdv_kernel(
         # is 0; a key past N_K has zero K and V rows, and its rows of P^T and dS^T, whatever they
         # hold, reach only its own rows of dK and dV, which are never stored.
         if MASK_KIND != 0:
-            sT = _masked_scores(sT, maskT_ptrs, n_valid[:, None] & m_valid[None, :], MASK_KIND)
+            sT = masked_scores(sT, maskT_ptrs, n_valid[:, None] & m_valid[None, :], MASK_KIND)
         if FOLD_SCALE:  # -inf stays -inf: the scale is positive
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
         else:
@@ -246,7 +239,7 @@ def _bwd_dq_kernel(
     EVEN_N: tl.constexpr,  # N_K % BLOCK_N == 0: no key-tail masking
 ):
     pid_m = tl.program_id(0)
-    pid_bh, off_b, off_h = _batch_head(H)
+    pid_bh, off_b, off_h = batch_head(H)
     if pid_bh >= BH:
         return
 
@@ -296,7 +289,7 @@ def _bwd_dq_kernel(
         if not FOLD_SCALE:
             s = s * qk_scale
         if MASK_KIND != 0:
-            s = _masked_scores(s, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
+            s = masked_scores(s, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
         elif not EVEN_N:  # a key past N_K has zero K rows, but exp2(0 - lse) may overflow: 0 * inf
             s = tl.where(n_valid[None, :], s, float("-inf"))
         if FOLD_SCALE:
@@ -341,7 +334,7 @@ def _bwd_sum_splits(
 ):
     """dK and dV as the sums of the query splits' partials, added in split order (deterministic)."""
     pid_n = tl.program_id(0)
-    pid_bh, off_b, off_h = _batch_head(H)
+    pid_bh, off_b, off_h = batch_head(H)
     if pid_bh >= BH:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -430,7 +423,7 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert do.shape == q.shape, f"dO {tuple(do.shape)} must match q {tuple(q.shape)}"
-    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    assert 1 <= D <= SERVES.max_head_dim, f"head dim {D} outside 1..{SERVES.max_head_dim}"
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, out, *grads)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
@@ -491,7 +484,7 @@ def flash_attn_bwd(
     Nk = k.shape[2]
     assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and lse.is_contiguous(), "lse must be contiguous fp32 (B, H, Nq)"
-    key = (_plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
+    key = (plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     plan = _bwd_plans.get(key)
     if config is None and plan is not None and plan.tuned:  # the common case: a layout seen before
@@ -523,7 +516,7 @@ def flash_attn_bwd(
             q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta, EVEN_N=Nk % 128 == 0)
         _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
             q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta, EVEN_M=Nq % 128 == 0)
-        plan.configs = (_config_kwargs(_dkdv_tuned.best_config), _config_kwargs(_dq_tuned.best_config))
+        plan.configs = (config_kwargs(_dkdv_tuned.best_config), config_kwargs(_dq_tuned.best_config))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 

@@ -1,70 +1,40 @@
-"""FlashAttention-2-style forward kernel: online softmax over key blocks, fp32 accumulation.
+"""FlashAttention-2-style forward kernel and its launcher: online softmax over key blocks, fp32 accumulation.
 
 The (Nq, Nk) score matrix lives only in registers, one (BLOCK_M, BLOCK_N) tile at a time.
 Any Nq, Nk >= 1 (tails are masked), head dims 1..256 (padded to power-of-two tiles inside the kernel,
 never by copying inputs), arbitrary strides, and an additive or boolean mask broadcast
 through zero strides. On Hopper, K and V tiles of the longest kernels (16,384 tokens and up at SD
 sizes: :data:`TMA_MIN_FLOP`) come through TMA descriptors (:func:`kv_operands`); elsewhere through
-pointer loads. On Hopper, unmasked self-attention goes to the Gluon kernel of :mod:`flash_fwd_hopper`
-instead, where it measured faster (:func:`flash_fwd_hopper.serves`).
+pointer loads. On Hopper, :mod:`.forward` sends unmasked self-attention to the Gluon kernel of
+:mod:`.flash_fwd_hopper` instead, where it measured faster.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import logging
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import flash_fwd_hopper
+from .runtime import (
+    Plan,
+    autotune_options,
+    cached_plan,
+    config_kwargs,
+    interpreting,
+    launch,
+    launch_grid,
+    on_device,
+    tile_configs,
+    vector_align,
+)
+from .shared import ADDITIVE_MASK, LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
-
-logger = logging.getLogger(__name__)
-
-LOG2E = 1.4426950408889634  # 1/ln 2: exp(x) = exp2(x * LOG2E)
-MAX_HEAD_DIM = 256
-MAX_GRID_Y = 65535  # CUDA's limit on grid dims y and z
-
-# Mask kinds (constexpr MASK_KIND).
-NO_MASK, ADDITIVE_MASK, BOOL_MASK = 0, 1, 2
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _batch_head(H):
-    """This program's index into B*H, and its batch and head (int64 for the offsets). B*H is spread
-    over grid dims 1 and 2 so that it can exceed 65,535 (see :func:`launch_grid`)."""
-    pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
-    return pid_bh, (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-
-
-@triton.jit
-def _masked_scores(s, mask_ptrs, valid, MASK_KIND: tl.constexpr):
-    """Apply the mask to a tile of base-2 scores; out-of-range entries become -inf."""
-    if MASK_KIND == 1:
-        bias = tl.load(mask_ptrs, mask=valid, other=0.0)
-        bias = bias.to(tl.float32)
-        # Finite biases below -1e38 would overflow to -inf in base 2 and wrongly mask the key.
-        bias = tl.where(bias == float("-inf"), bias, tl.maximum(bias, -1e38))
-        s += bias * 1.44269504  # 1/ln 2: the bias joins base-2 scores
-    if MASK_KIND == 2:
-        keep = tl.load(mask_ptrs, mask=valid, other=0)
-        s = tl.where(keep != 0, s, float("-inf"))
-    return tl.where(valid, s, float("-inf"))
-
 
 @triton.jit
 def _attn_fwd_kernel(
@@ -92,7 +62,7 @@ def _attn_fwd_kernel(
 ):
     # -- which (batch, head) and query block -------------------------------------------
     pid_m = tl.program_id(0)
-    pid_bh, off_b, off_h = _batch_head(H)
+    pid_bh, off_b, off_h = batch_head(H)
     if pid_bh >= BH:
         return
 
@@ -159,7 +129,7 @@ def _attn_fwd_kernel(
         if not FOLD_SCALE:
             qk = qk * qk_scale
         if MASK_KIND != 0:
-            qk = _masked_scores(qk, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
+            qk = masked_scores(qk, mask_ptrs, m_valid[:, None] & n_valid[None, :], MASK_KIND)
         elif not EVEN_N:
             qk = tl.where(n_valid[None, :], qk, float("-inf"))
 
@@ -220,39 +190,6 @@ def _attn_fwd_kernel(
         # Base-2 log-sum-exp of the scaled scores; -inf for fully masked rows.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=m_valid)
-
-
-def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
-    """Power-of-two tile widths (A, B) covering the head dim; B = 0 when one tile serves.
-
-    ``split=None`` splits where it was measured to pay (H200, triton 3.6, diffusers' layout):
-    when part B is at most a quarter of part A. 80 -> (64, 16) ran at 390 TFLOP/s against 285
-    padded to 128, and 160 -> (128, 32) at 382 against 200 padded to 256; 40 -> (32, 16), where
-    B is half of A, ran at 236 against 245 padded to 64, so 40 stays whole. Tiles are at least
-    16 wide (the tensor-core minimum); ``split=True`` forces two parts wherever the head dim allows.
-    """
-    whole = max(16, triton.next_power_of_2(head_dim))
-    a = max(16, whole // 2)
-    b = max(16, triton.next_power_of_2(head_dim - a)) if head_dim > a else 0
-    if split is None:
-        split = 0 < b <= a // 4
-    return (a, b) if split and b > 0 else (whole, 0)
-
-
-def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: int) -> tuple[int, int]:
-    """The head-dim tiles a launch uses: :func:`head_dim_parts`, but with ``split=None`` two parts
-    only on aligned rows, without a mask, and with every sequence in ``lengths`` a whole number of
-    128-row blocks. compute-sanitizer caught the two-part tiling reading shared memory out of bounds
-    in its second p @ v dot with a mask and 77 keys (triton 3.6, H200: wrong results or an illegal
-    address); these are the launches where it ran clean. The backward kernels follow the same rule."""
-    if split is None and (align == 1 or kind != NO_MASK or any(n % 128 for n in lengths)):
-        split = False
-    return head_dim_parts(head_dim, split)
-
-
-def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:
-    """Autotune configs from (BLOCK_M, BLOCK_N, warps, stages) tuples."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]
 
 
 # TMA loads measured +1 to +9 % kernel time on self-attention, nothing on 77 keys (H200, triton
@@ -348,12 +285,6 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if keep(c)] or configs[-1:]
 
 
-def autotune_options() -> dict:
-    """Keep autotuning results on disk beside Triton's kernel cache where Triton can (>= 3.3):
-    a pipeline's second run skips the tuning its first run paid."""
-    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-
-
 # Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
@@ -365,135 +296,6 @@ _attn_fwd_tuned = triton.autotune(
 # The interpreter cannot autotune without a GPU driver: one fixed small config, which also
 # exercises the tail masking on small test shapes.
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division on the host: ``triton.cdiv`` is a constexpr function, a few us a call."""
-    return -(-a // b)
-
-
-def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
-    """Row blocks on grid dim 0 (limit 2^31 - 1); B*H over dims 1 and 2 (65,535 each)."""
-    return cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), cdiv(bh, MAX_GRID_Y)
-
-
-def vector_align(*tensors: torch.Tensor) -> int:
-    """The alignment the kernels' row offsets are hinted with, in elements (1: none known).
-
-    Where every stride is a multiple of 16, as at head dims 64 and 128, 16: what Triton infers
-    itself from its integer specialization, so that the hint claims no less (v1 hinted 8 there,
-    and its backward at head dim 64 measured 208 TFLOP/s against v0's 290 without hints).
-    Otherwise, when every row of every tensor still starts 16-byte aligned (head dims 40 and 80),
-    one 16-byte vector; else 1.
-    """
-    if any(t.stride(-1) != 1 or t.data_ptr() % 16 for t in tensors):
-        return 1
-    strides = [s for t in tensors for s in t.stride()[:-1]]
-    for align in (16, 16 // tensors[0].element_size()):
-        if all(s % align == 0 for s in strides):
-            return align
-    return 1
-
-
-def on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device, not the tensors': make ``t``'s current (only
-    when it is not: switching costs microseconds a call on the host)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-# Triton >= 3.3 launches a compiled binary given every parameter's value, constexprs included
-# (``CompiledKernel[grid](*args)``); older versions take another list, and keep the JIT path.
-_DIRECT_LAUNCH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
-
-try:  # triton >= 3.4 keeps its launch hooks here; 3.3 on CompiledKernel
-    from triton import knobs as _knobs
-except ImportError:
-    _knobs = None
-
-
-def launch_hooked() -> bool:
-    """Whether a profiler (Triton's proton, ...) has hooked kernel launches: then they go through
-    Triton's own launch path, which calls the hooks."""
-    if _knobs is not None:
-        hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
-    else:
-        from triton.compiler import CompiledKernel
-
-        hooks = (CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook)
-    return any(getattr(h, "calls", h) for h in hooks)  # triton >= 3.6: a chain, empty when unhooked
-
-
-def current_device_and_stream():
-    """The current CUDA device's index, and the function giving a device's current stream, as Triton has them."""
-    from triton.runtime import driver
-
-    return driver.active.get_current_device(), driver.active.get_current_stream
-
-
-class Binary:
-    """A compiled kernel, launched straight through its C launcher (``CompiledKernel.run``).
-
-    Triton's runner (``CompiledKernel[grid]``) looks up the current device and stream, builds
-    launch metadata and has the launcher call two (empty) hook chains back in Python, every launch:
-    3-5 us of a 9-19 us launch on the lent H200 hosts (docs/benchmarks.md, v7). The kernel was
-    loaded on the device current at its first launch, and :func:`on_device` makes that device
-    current for every later launch of its plan, so only the stream is looked up per call.
-    """
-
-    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream")
-
-    def __init__(self, compiled, consts: tuple):
-        self.compiled, self.consts = compiled, consts
-        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.device, self.current_stream = current_device_and_stream()
-
-    def __call__(self, grid: tuple, args: tuple) -> None:
-        if launch_hooked():
-            self.compiled[grid](*args, *self.consts)
-            return
-        self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
-                 *args, *self.consts)
-
-
-def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
-    """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
-    arguments, specializing on them, compiling or finding the binary), later straight to that
-    binary (:class:`Binary`).
-
-    The JIT's binding and specialization cost tens of microseconds a launch on the host, as long as
-    a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
-    integer argument (sizes, strides), each pointer's 16-byte alignment, and the constexprs; the
-    launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
-    parameters; ``consts`` its constexprs and launch options.
-    """
-    binary = binaries.get(key)
-    if binary is not None:
-        try:
-            binary(grid, args)
-            return
-        except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
-            _no_direct_launch(binaries, e)
-    compiled = kernel[grid](*args, **consts)
-    if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
-        try:  # the binary takes the constexprs too, in the kernel's parameter order
-            binaries[key] = Binary(compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
-        except AttributeError as e:  # a Triton whose compiled kernels lack what Binary launches with
-            _no_direct_launch(binaries, e)
-
-
-def _no_direct_launch(binaries: dict, err: Exception) -> None:
-    global _DIRECT_LAUNCH
-    _DIRECT_LAUNCH = False
-    binaries.clear()
-    logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(err).__name__, err)
-
-
-def mask_kind(mask: torch.Tensor | None) -> int:
-    if mask is None:
-        return NO_MASK
-    return BOOL_MASK if mask.dtype == torch.bool else ADDITIVE_MASK
 
 
 def fwd_meta(
@@ -513,8 +315,8 @@ def fwd_meta(
     Nk = k.shape[2]
     assert k.shape == v.shape == (B, H, Nk, D), f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, Nk, {D})"
     assert q.dtype == k.dtype == v.dtype, f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
-    assert 1 <= D <= MAX_HEAD_DIM, f"head dim {D} outside 1..{MAX_HEAD_DIM}"
+    assert q.dtype in SERVES.dtypes, f"unsupported dtype {q.dtype}"
+    assert 1 <= D <= SERVES.max_head_dim, f"head dim {D} outside 1..{SERVES.max_head_dim}"
     assert Nq >= 1 and Nk >= 1 and B * H >= 1, "empty sequence or batch"
     if mask is not None:
         assert mask.ndim == 4, "mask must be 4-D; broadcast dims of size 1"
@@ -527,20 +329,6 @@ def fwd_meta(
     if kv_tma is None:
         kv_tma = not interpreting() and 4 * B * H * Nq * Nk * D >= TMA_MIN_FLOP
     return dict(**kernel_meta(q, block_da, block_db, kind, align, scale), STORE_LSE=return_lse, KV_TMA=kv_tma and tma_ok)
-
-
-def kernel_meta(q: torch.Tensor, block_da: int, block_db: int, kind: int, align: int, scale: float) -> dict:
-    """The constexprs the forward and backward kernels share."""
-    return dict(
-        HEAD_DIM=q.shape[-1],
-        BLOCK_DA=block_da,
-        BLOCK_DB=block_db,
-        MASK_KIND=kind,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=interpreting() and q.dtype == torch.bfloat16,
-        ALIGN=align,
-        FOLD_SCALE=scale > 0 and kind != ADDITIVE_MASK,
-    )
 
 
 def fwd_args(q, k, v, mask, out, lse, scale, kv: tuple | None = None) -> tuple:
@@ -556,70 +344,17 @@ def fwd_scalars(q, k, v, mask, out, scale) -> tuple:
     return (*q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), H, B * H, Nq, Nk, scale * LOG2E)
 
 
-@dataclass(slots=True)
-class _Plan:
-    """What a launch of one input layout needs besides its tensors: found once, then reused."""
-
-    meta: dict
-    config: dict | None = None  # the autotuner's pick, once it has tuned this shape
-    binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
-    tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
-
-
-# (shapes, strides, dtype, device, alignment, mask layout, options) -> _Plan. Working out the
-# constexprs and going through Triton's autotuner cost tens of microseconds per call on the
-# host, as much as a whole attention kernel at 77 keys; a UNet repeats a few dozen layouts.
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 4096
-
-
-def cached_plan(plans: dict, key: tuple, make):
-    """``plans[key]``, made by ``make()`` on first use; the cache starts over past ``_MAX_PLANS``."""
-    plan = plans.get(key)
-    if plan is None:
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plan = plans[key] = make()
-    return plan
-
-
-def _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma) -> tuple:
-    """Everything a launch's constexprs and Triton's specialization depend on (see :func:`launch`);
-    the outputs are allocated here, like q, so q's layout fixes theirs."""
-    mask_layout = None if mask is None else (mask.dtype, mask.shape, mask.stride(), mask.device, mask.data_ptr() % 16)
-    alignment = (q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, alignment,
-            mask_layout, scale, return_lse, split_head_dim, kv_tma)
-
-
-_hopper_plans: dict[tuple, _Plan] = {}  # the Gluon kernel's launches, by layout (see _hopper_fwd)
-
-
-def _hopper_fwd(q, k, v, scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A default call on the Gluon Hopper kernel, launched as the Triton kernel's are: through the
-    JIT once per layout, then straight to its binary (:func:`launch`)."""
-    plan = cached_plan(_hopper_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
-                       lambda: _Plan({}))
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors
-    with on_device(q):
-        for i, (kernel, grid, args, consts) in enumerate(flash_fwd_hopper.launches(q, k, v, out, lse, scale, bound=bound)):
-            launch(kernel, grid, args, consts, plan.binaries, ("gluon", i))
-    return out, lse
-
-
-def _config_kwargs(config: triton.Config) -> dict:
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+# Launch plans by layout (see :func:`sdpatch.kernels.runtime.cached_plan`).
+_plans: dict[tuple, Plan] = {}
 
 
 def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None, kv_tma=None) -> dict | None:
     """The tiles the autotuner picked for this call's layout, once a call has tuned it."""
-    plan = _plans.get(_plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma))
+    plan = _plans.get(plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma))
     return None if plan is None else plan.config
 
 
-def flash_attn_fwd(
+def fa2_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -630,7 +365,8 @@ def flash_attn_fwd(
     config: dict | None = None,
     kv_tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel.
+    """Launch the FlashAttention-2-style forward kernel (:func:`sdpatch.kernels.forward.flash_attn_fwd`
+    chooses between it and the Gluon kernel).
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; mask: bool (True = keep) or additive,
     4-D and broadcastable to (B, H, Nq, Nk) (size-1 dims are read with stride 0).
@@ -642,22 +378,12 @@ def flash_attn_fwd(
     (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
     base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
-    Default calls (no config, split_head_dim or kv_tma) that :func:`flash_fwd_hopper.serves` run
-    on the Gluon Hopper kernel instead.
     """
-    default = config is None and split_head_dim is None and kv_tma is None
-    if default and flash_fwd_hopper.serves(q, k, v, mask):  # Hopper, unmasked self-attention
-        try:
-            return _hopper_fwd(q, k, v, scale, return_lse)
-        except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
-            raise
-        except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
-            flash_fwd_hopper.disable(e)
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
-    plan = cached_plan(_plans, _plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma),
-                       lambda: _Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma),
+    plan = cached_plan(_plans, plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma),
+                       lambda: Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma),
                                      _INTERPRET_CONFIG if interpreting() else None))
     Nq, Nk, BH = q.shape[2], k.shape[2], q.shape[0] * q.shape[1]
 
@@ -682,8 +408,8 @@ def flash_attn_fwd(
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
             _attn_fwd_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
-            plan.config = {**_config_kwargs(_attn_fwd_tuned.best_config), "EVEN_N": Nk % 128 == 0}
+            plan.config = {**config_kwargs(_attn_fwd_tuned.best_config), "EVEN_N": Nk % 128 == 0}
     return out, lse
 
 
-__all__ = ["flash_attn_fwd", "fwd_args", "fwd_meta", "fwd_scalars", "kv_operands", "kv_tma_ok", "launch", "tuned_config", "head_dim_parts", "launch_grid", "vector_align", "MAX_HEAD_DIM", "LOG2E", "interpreting"]
+__all__ = ["fa2_attn_fwd", "fwd_args", "fwd_meta", "fwd_scalars", "kv_operands", "kv_tma_ok", "tuned_config"]

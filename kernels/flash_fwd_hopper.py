@@ -18,7 +18,7 @@ dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N 
 write nothing: odd lengths need no masks but on the scores past N (every tile's, where the tile does
 not divide the keys; v13). A head dim that is not a power of two runs as two power-of-two parts, each
 with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
-:func:`split_head_dim`).
+:func:`sdpatch.kernels.shared.split_parts`).
 
 A program holds an SM, so the grid runs in waves of query tiles; where the last wave would leave most
 SMs idle, its tiles are split along the keys into pieces that fill it, and a small Triton kernel
@@ -28,7 +28,7 @@ finish together (:func:`tile_plan`; v16). A consumer with no rows in its program
 the K and V stages back.
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
-:func:`flash_fwd.flash_attn_fwd` uses it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
+the launch layer (:func:`sdpatch.kernels.forward.flash_attn_fwd`) takes it; ``SDPATCH_GLUON=0`` turns it off. Gluon kernels do not run
 under ``TRITON_INTERPRET``: CI compiles this one for sm_90, and the GPU checks run it against float64.
 """
 
@@ -43,6 +43,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .runtime import Plan, cached_plan, launch, on_device
+from .shared import SERVES, split_parts
 
 try:  # Gluon's Hopper API: triton 3.5 and later
     from triton.experimental import gluon
@@ -76,18 +79,6 @@ MIXED_MIN_GAIN = 0.05  # and takes a plan its model says is at least this much f
 COMBINE_ROWS = 32  # rows a program of _combine_pieces merges
 ENABLED = os.environ.get("SDPATCH_GLUON", "1") != "0"
 _failed: list[str] = []  # a launch that raised: the Triton kernel serves every call after it
-
-
-def split_head_dim(head_dim: int) -> tuple[int, int]:
-    """(D_LO, D_HI): the head dim as a power of two plus a smaller one (40 = 32 + 16, 80 = 64 + 16,
-    160 = 128 + 32; parts of at least 16, an MMA's K), or (next power of two, 0) where splitting
-    saves no columns. The kernel runs each MMA once per part: at 40, 48 columns of work, not 64."""
-    full = triton.next_power_of_2(max(head_dim, 16))
-    if head_dim == full:
-        return full, 0
-    lo = full // 2
-    hi = max(16, triton.next_power_of_2(head_dim - lo))
-    return (lo, hi) if lo + hi < full else (full, 0)
 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -272,7 +263,7 @@ def layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
     TMA needs (16-byte aligned bases and strides, the last dim contiguous)."""
     if mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         return False
-    if q.shape[3] > 256:
+    if q.shape[3] > SERVES.max_head_dim:
         return False
     return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:3])
                for t in (q, k, v))
@@ -704,7 +695,7 @@ class BoundDescriptor(NamedTuple):
     """What a compiled kernel's launcher reads of a tensor descriptor argument: its tile shape and
     shared layout are fixed in the binary. Building Triton's ``TensorDescriptor`` checks its
     arguments in Python, several microseconds each, eight per call at split head dims; these are
-    for launches of a binary compiled from the same layout (see :func:`flash_fwd.launch`)."""
+    for launches of a binary compiled from the same layout (see :func:`sdpatch.kernels.runtime.launch`)."""
 
     base: torch.Tensor
     shape: list
@@ -723,7 +714,7 @@ def descriptors(q, k, v, out, block_m: int, block_n: int, bound: bool = False) -
     over its second (:func:`split_head_dim`), or None where there is none: the JIT and the launcher
     spend host time on each descriptor they are given. ``bound``: :class:`BoundDescriptor` s, for a
     compiled binary's launch."""
-    d_lo, d_hi = split_head_dim(q.shape[3])
+    d_lo, d_hi = split_parts(q.shape[3])
     rows = (block_m, block_n, block_n, block_m)
     lo = [_descriptor(t, r, d_lo, bound) for t, r in zip((q, k, v, out), rows)]
     return lo + ([_descriptor(t, r, d_hi, bound) for t, r in zip((q, k, v, out), rows)] if d_hi else [None] * 4)
@@ -736,11 +727,11 @@ def launches(q, k, v, out, lse, scale: float, config: tuple[int, int, int, int] 
     the pieces' workspace, allocated here (fp32, at most ``sms`` programs' rows). A grid not split
     takes :func:`tile_plan`'s tiles. ``config`` as :func:`hopper_attn_fwd`'s; ``sms``: the SMs the
     grid is balanced over (None: the device's; 0: whole tiles, none split); ``bound`` as
-    :func:`descriptors`'. :func:`flash_fwd.flash_attn_fwd` launches them through its launch plans."""
+    :func:`descriptors`'. :func:`gluon_attn_fwd` launches them through its launch plans."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert k.shape == v.shape and k.shape[:2] == (B, H) and k.shape[3] == D, f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}"
-    d_lo, d_hi = split_head_dim(D)
+    d_lo, d_hi = split_parts(D)
     block_m, block_n, stages, consumers = config or config_for(D)
     assert block_m % 64 == 0 and consumers in (2, 3), f"BLOCK_M={block_m}, {consumers} consumers: 64-row MMAs, 2 or 3 warpgroups"
     tile_m = consumers * block_m
@@ -769,11 +760,29 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     config: tuple[int, int, int, int] | None = None,
                     sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward on the Gluon kernel, launched through the JIT; arguments and results as
-    :func:`flash_fwd.flash_attn_fwd`'s (no mask). ``config``: (BLOCK_M, BLOCK_N, STAGES,
+    :func:`gluon_attn_fwd`'s. ``config``: (BLOCK_M, BLOCK_N, STAGES,
     CONSUMERS), else :func:`config_for`'s; ``sms`` as :func:`launches`'."""
     assert hopper_fwd_ok(q, k, v, None), "needs sm_90, fp16/bf16, head dim <= 256 and TMA-aligned strides (hopper_fwd_ok)"
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     for kernel, grid, args, consts in launches(q, k, v, out, lse, scale, config, sms):
         kernel[grid](*args, **consts)
+    return out, lse
+
+
+_plans: dict[tuple, Plan] = {}  # the kernel's launches, by layout (see gluon_attn_fwd)
+
+
+def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward on this kernel, launched as the Triton kernels are: through the JIT once per
+    layout, then straight to its binaries (:func:`sdpatch.kernels.runtime.launch`). Arguments and
+    results as :func:`sdpatch.kernels.flash_fwd.fa2_attn_fwd`'s, no mask (see :func:`serves`)."""
+    plan = cached_plan(_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
+                       lambda: Plan({}))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors
+    with on_device(q):
+        for i, (kernel, grid, args, consts) in enumerate(launches(q, k, v, out, lse, scale, bound=bound)):
+            launch(kernel, grid, args, consts, plan.binaries, ("gluon", i))
     return out, lse

@@ -54,7 +54,7 @@ def case_inputs(c: Case, seed: int = 0, device: str = "cuda"):
 
 def case_tensors(c: Case, device: str = "cuda") -> tuple:
     """(q, k, v) for a forward case; (q, k, v, dO, O, log-sum-exp) for a backward one."""
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = case_inputs(c, device=device)
     if not c.backward:

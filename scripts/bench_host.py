@@ -9,7 +9,7 @@ synchronizing is the host's time per call. For each case, forward alone (no grad
 plus backward (inputs that require grad, as in training): best and median of 5 runs of ``ITERS``
 calls, then the top of a cProfile of sdpatch's forward plus backward, and the host time of each
 piece of sdpatch's call alone (allocation, launch plan, autograd node, backward; on CUDA the
-tuned forward launch through Triton's runner, through :class:`~sdpatch.kernels.flash_fwd.Binary`,
+tuned forward launch through Triton's runner, through :class:`~sdpatch.kernels.runtime.Binary`,
 and with integer pointers), to show where its time goes.
 
 Last, on CUDA, the anatomy of one backward call at SD shapes, timed as ``do_bench`` times it (the L2
@@ -77,20 +77,21 @@ class _Identity(torch.autograd.Function):
 def pieces(c: Case, device: str) -> dict:
     """{name: zero-argument call} for the parts of one sdpatch call, each timed alone: what the
     forward's launch, its allocations, the autograd node and the backward cost the host."""
-    from sdpatch.attention import TritonAttention
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.attention.triton_backend import TritonAttention
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import plan_key
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
 
     qg, kg, vg, do = inputs(c, device)
     q, k, v = (t.detach() for t in (qg, kg, vg))
     scale = c.D**-0.5
     for _ in range(2):  # tune, then launch from the plan: each piece below is timed warm
-        out, lse = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
-        flash_fwd.flash_attn_fwd(q, k, v, scale)
+        out, lse = flash_fwd.fa2_attn_fwd(q, k, v, scale, return_lse=True)
+        flash_fwd.fa2_attn_fwd(q, k, v, scale)
         flash_attn_bwd(do, q, k, v, out, lse, scale)
 
     def direct():  # sdpatch's forward and backward without the autograd engine
-        o, m = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True)
+        o, m = flash_fwd.fa2_attn_fwd(q, k, v, scale, return_lse=True)
         flash_attn_bwd(do, q, k, v, o, m, scale)
 
     found = {
@@ -98,24 +99,24 @@ def pieces(c: Case, device: str) -> dict:
         "autograd: C++ node (x * 2) fwd+bwd": lambda: (qg * 2).backward(do),
         "fwd + bwd, no autograd": direct,
         "torch.empty_like(q)": lambda: torch.empty_like(q),
-        "flash_attn_fwd": lambda: flash_fwd.flash_attn_fwd(q, k, v, scale),
-        "flash_attn_fwd with lse": lambda: flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True),
+        "flash_attn_fwd": lambda: flash_fwd.fa2_attn_fwd(q, k, v, scale),
+        "flash_attn_fwd with lse": lambda: flash_fwd.fa2_attn_fwd(q, k, v, scale, return_lse=True),
         "TritonAttention.apply": lambda: TritonAttention.apply(qg, kg, vg, scale, None),
         "flash_attn_bwd": lambda: flash_attn_bwd(do, q, k, v, out, lse, scale),
     }
-    plan = flash_fwd._plans[flash_fwd._plan_key(q, k, v, None, scale, False, None, None)]
+    plan = flash_fwd._plans[plan_key(q, k, v, None, scale, False, None, None)]
     if plan.tuned and plan.binaries:  # CUDA: the tuned launch, three ways
         grid, scalars, _, key = plan.tuned
         binary = plan.binaries[key]
         args = (q, k, v, None, None, None, out, None, *scalars)
         ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args) + binary.consts
-        device_index, stream = flash_fwd.current_device_and_stream()
+        device_index, stream = runtime.current_device_and_stream()
         found |= {
             "launch: Triton's runner": lambda: binary.compiled[grid](*args, *binary.consts),
             "launch: sdpatch's Binary": lambda: binary(grid, args),
             "launch: C launcher, int pointers": lambda: binary.run(*grid, stream(device_index), binary.function,
                                                                     binary.metadata, None, None, None, *ints),
-            "current device and stream": lambda: stream(flash_fwd.current_device_and_stream()[0]),
+            "current device and stream": lambda: stream(runtime.current_device_and_stream()[0]),
         }
     return found
 
@@ -166,7 +167,7 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     from torch.nn.attention import sdpa_kernel
 
     from bench_kernels import SDPA
-    from sdpatch.attention import TritonAttention
+    from sdpatch.attention.triton_backend import TritonAttention
 
     marks = {}
     backward = TritonAttention.backward

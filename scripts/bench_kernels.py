@@ -32,8 +32,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
 from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
-from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, head_dim_parts, kv_tma_ok, tuned_config
-from sdpatch.reference import attention_ref
+from sdpatch.kernels.flash_fwd import kv_tma_ok, tuned_config
+from sdpatch.kernels.forward import flash_attn_fwd
+from sdpatch.kernels.runtime import config_kwargs
+from sdpatch.kernels.shared import head_dim_parts
+from sdpatch.attention.naive import attention_ref
 
 from _bench import Case, chosen, environment, paired_ratio, peak_over, rel_err
 
@@ -200,7 +203,7 @@ def run_case(c: Case, rounds: int) -> Row:
 
         first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
-        row.tuned_config = str([_config_kwargs(t.best_config) for t in (_dkdv_tuned, _dq_tuned)])
+        row.tuned_config = str([config_kwargs(t.best_config) for t in (_dkdv_tuned, _dq_tuned)])
         row.first_call_s = time.perf_counter() - t0
         for name in impls:
             if graphs[name] is None:

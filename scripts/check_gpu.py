@@ -24,7 +24,7 @@ import torch
 
 from sdpatch import attention
 from sdpatch.kernels import flash_fwd, flash_fwd_hopper
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 from _bench import grid_variants, make_mask, peak_over
 
@@ -120,7 +120,7 @@ def check_gluon(q, k, v, ref, name) -> None:
     backward takes it), whether or not default calls go to it at this shape."""
     scale = q.shape[-1] ** -0.5
     out, lse = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, return_lse=True)
-    out_triton, lse_triton = flash_fwd.flash_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
+    out_triton, lse_triton = flash_fwd.fa2_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
     e = rel(out[:1, :2], ref)
     e_lse = (lse - lse_triton).abs().max().item()
     served = flash_fwd_hopper.serves(q, k, v, None)

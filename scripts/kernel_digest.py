@@ -66,7 +66,9 @@ def main() -> int:
         name = f"{'/'.join(current)} {kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel.__name__} {key}"
         digests[name] = hashlib.sha256(code(built.asm["ptx"]).encode()).hexdigest()[:16]
 
-    launch = flash_fwd.launch  # every launcher's one launch function, wherever the launchers import it from
+    from sdpatch.kernels import runtime
+
+    launch = runtime.launch  # every launcher's one launch function, wherever the launchers import it from
     for module in [m for name, m in sys.modules.items() if name.startswith("sdpatch.kernels")]:
         if getattr(module, "launch", None) is launch:
             module.launch = compile_only
@@ -89,7 +91,7 @@ def main() -> int:
                             q, k, v = qkv(D, Nq, Nk)
                             mask = make(Nq, Nk) if make else None
                             current[:] = [f"fwd D{D} {Nq}x{Nk} {mname} lse{int(lse)} split{split}"]
-                            flash_fwd.flash_attn_fwd(q, k, v, 0.2, mask, return_lse=lse, split_head_dim=split,
+                            flash_fwd.fa2_attn_fwd(q, k, v, 0.2, mask, return_lse=lse, split_head_dim=split,
                                                      config=t, kv_tma=False)
     for D in (40, 64, 80, 160):
         for (Nq, Nk) in ((256, 256), (256, 77)):

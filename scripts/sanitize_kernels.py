@@ -30,9 +30,11 @@ from triton.runtime.errors import OutOfResources
 from sdpatch.kernels import flash_fwd_hopper
 from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import _configs as fwd_configs
-from sdpatch.kernels.flash_fwd import _config_kwargs, flash_attn_fwd, fwd_meta, kv_tma_ok
+from sdpatch.kernels.flash_fwd import fwd_meta, kv_tma_ok
+from sdpatch.kernels.forward import flash_attn_fwd
+from sdpatch.kernels.runtime import config_kwargs
 from sdpatch.kernels.flash_fwd import _prune as fwd_prune
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 from _bench import grid_variants, make_mask
 
@@ -82,7 +84,7 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
             meta = fwd_meta(q, k, v, torch.empty_like(q), scale, mask, True, None, tma)
             for c in fwd_prune(fwd_configs(), {"N_K": Nk}, **meta):  # what the autotuner may pick here
                 try:
-                    out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True, config=_config_kwargs(c), kv_tma=tma)
+                    out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True, config=config_kwargs(c), kv_tma=tma)
                 except OutOfResources:
                     continue
                 launches += 1
@@ -95,7 +97,7 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
         do = torch.randn_like(q)
         for pair in zip(_dkdv_configs(), _dq_configs()):
             try:
-                flash_attn_bwd(do, q, k, v, out, lse, scale, mask, config=tuple(_config_kwargs(c) for c in pair))
+                flash_attn_bwd(do, q, k, v, out, lse, scale, mask, config=tuple(config_kwargs(c) for c in pair))
             except OutOfResources:
                 continue
             launches += 1

@@ -35,10 +35,10 @@ from triton.testing import do_bench_cudagraph
 
 import sdpatch
 from sdpatch.kernels.flash_bwd import flash_attn_bwd
-from sdpatch.kernels.flash_fwd import (
-    TensorDescriptor, _attn_fwd_kernel, flash_attn_fwd, fwd_args, fwd_meta, head_dim_parts, interpreting, kv_operands,
-    launch_grid,
-)
+from sdpatch.kernels.flash_fwd import TensorDescriptor, _attn_fwd_kernel, fwd_args, fwd_meta, kv_operands
+from sdpatch.kernels.forward import flash_attn_fwd
+from sdpatch.kernels.runtime import interpreting, launch_grid
+from sdpatch.kernels.shared import head_dim_parts
 
 from _bench import Case, as_config, case_tensors, chosen, environment
 from bench_kernels import CASES as BENCH_CASES

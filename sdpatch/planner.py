@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from sdpatch.chunked import DEFAULT_CHUNK_BUDGET, plan_chunks
+from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET, plan_chunks
 from sdpatch.errors import InputError
 from sdpatch.memory import MIB, PHASE_LABELS, format_bytes, host_resident_bytes, weights_bytes
 

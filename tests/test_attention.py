@@ -15,8 +15,8 @@ import sdpatch
 from helpers import DT, RTOL, case, make_mask, make_qkv, rel_err
 from sdpatch import attention
 from sdpatch.attention import BackendUnavailableError
-from sdpatch.chunked import plan_chunks
-from sdpatch.reference import attention_ref
+from sdpatch.attention.chunked import plan_chunks
+from sdpatch.attention.naive import attention_ref
 
 
 def check(backend, B, H, Nq, Nk, D, dtype, mask_kind, layout, **kw):
@@ -100,7 +100,7 @@ def test_triton_interpreted(B, H, Nq, Nk, D, dtype, mask, layout):
 
 
 def test_triton_launch_grid_splits_large_batch_heads():
-    from sdpatch.kernels.flash_fwd import launch_grid
+    from sdpatch.kernels.runtime import launch_grid
 
     assert launch_grid(2**20, 2**20, 128) == (2**13, 65535, 17)
     assert launch_grid(77, 16, 64) == (2, 16, 1)
@@ -139,7 +139,7 @@ def test_triton_unavailable_says_why(monkeypatch):
     with pytest.raises(BackendUnavailableError, match="head dim 512"):
         sdpatch.choose_backend(device="cpu", dtype=torch.float32, head_dim=512, backend="triton")
     # The package re-exports the function `attention`, which shadows the module's name.
-    monkeypatch.setattr(importlib.import_module("sdpatch.attention"), "_interpreting", lambda: False)
+    monkeypatch.setattr(importlib.import_module("sdpatch.attention.triton_backend"), "_interpreting", lambda: False)
     q, k, v = make_qkv(1, 1, 4, 4, 40, torch.float32)
     with pytest.raises(BackendUnavailableError, match="need a CUDA device"):
         attention(q, k, v, backend="triton")
@@ -187,7 +187,7 @@ def test_bad_input_on_meta_device_mismatch():
 @pytest.mark.parametrize("D", [1, 40, 64, 80, 160, 256])
 def test_triton_head_dim_tilings_agree(D, split):
     """Both ways of tiling the head dim (padded to one power of two, or two parts) are exact."""
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = make_qkv(1, 1, 17, 19, D, torch.float16, "bnhd")
     mask = make_mask("bool", 1, 1, 17, 19, torch.float16)
@@ -208,7 +208,8 @@ def test_triton_head_dim_tilings_agree(D, split):
 def test_triton_kv_tma(B, H, Nq, Nk, D, dtype, mask_kind, split):
     """K and V tiles through TMA descriptors (diffusers' layout): the descriptors' zero fill stands
     in for the key-tail and head-dim masks of the pointer loads."""
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd, kv_tma_ok
+    from sdpatch.kernels.flash_fwd import kv_tma_ok
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = make_qkv(B, H, Nq, Nk, D, DT[dtype], "bnhd")
     assert kv_tma_ok(k, v)
@@ -218,7 +219,8 @@ def test_triton_kv_tma(B, H, Nq, Nk, D, dtype, mask_kind, split):
 
 
 def test_kv_tma_needs_aligned_rows():
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd, kv_tma_ok
+    from sdpatch.kernels.flash_fwd import kv_tma_ok
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = make_qkv(1, 1, 8, 8, 40, torch.float16, "sliced")
     assert not kv_tma_ok(k, v)
@@ -247,7 +249,7 @@ def test_forward_tile_pruning(n_k, da, db, tma, expect):
 
 
 def test_head_dim_parts():
-    from sdpatch.kernels.flash_fwd import head_dim_parts
+    from sdpatch.kernels.shared import head_dim_parts
 
     assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256, 72)] == [
         (64, 0), (64, 0), (64, 16), (128, 32), (32, 0), (16, 0), (256, 0), (64, 16)
@@ -265,7 +267,7 @@ def test_head_dim_parts():
     ],
 )
 def test_vector_align(D, dtype, layout, expect):
-    from sdpatch.kernels.flash_fwd import vector_align
+    from sdpatch.kernels.runtime import vector_align
 
     assert vector_align(*make_qkv(2, 4, 33, 33, D, DT[dtype], layout)) == expect
 
@@ -273,36 +275,38 @@ def test_vector_align(D, dtype, layout, expect):
 def test_launch_plans_follow_the_layout():
     """A launch plan (constexprs, tuned tiles) is reused only by calls of the same layout:
     same shapes and strides but rows that start misaligned get their own plan, and no hints."""
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import LOG2E, plan_key
 
     base = torch.randn(1, 2, 33, 48, generator=torch.Generator().manual_seed(0))
     aligned, shifted = base[..., :40], base[..., 3:43]  # rows 16-byte aligned / 12 bytes off
     assert aligned.shape == shifted.shape and aligned.stride() == shifted.stride()
     for _ in range(2):  # the second round runs on the plans the first one made
         for q in (aligned, shifted):
-            out, _ = flash_fwd.flash_attn_fwd(q, q, q, 0.1)
+            out, _ = flash_fwd.fa2_attn_fwd(q, q, q, 0.1)
             assert rel_err(out, attention_ref(q, q, q, scale=0.1)) <= RTOL[torch.float32]
-    plans = [flash_fwd._plans[flash_fwd._plan_key(q, q, q, None, 0.1, False, None, None)] for q in (aligned, shifted)]
+    plans = [flash_fwd._plans[plan_key(q, q, q, None, 0.1, False, None, None)] for q in (aligned, shifted)]
     assert plans[0].meta["ALIGN"] == 4 and plans[1].meta["ALIGN"] == 1
 
 
 def test_a_layout_seen_before_launches_from_its_plan(monkeypatch):
     """The second call of a layout reuses its plan's launch (grid, scalars, constexprs) with the
     new call's tensors, working none of it out again: new data, the answers a first call gives."""
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import LOG2E, plan_key
 
     q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
-    flash_fwd.flash_attn_fwd(q, k, v, 0.3, return_lse=True)
-    plan = flash_fwd._plans[flash_fwd._plan_key(q, k, v, None, 0.3, True, None, None)]
+    flash_fwd.fa2_attn_fwd(q, k, v, 0.3, return_lse=True)
+    plan = flash_fwd._plans[plan_key(q, k, v, None, 0.3, True, None, None)]
     assert plan.tuned is not None
     q2, k2, v2 = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=12)
     assert q2.stride() == q.stride() and k2.stride() == k.stride()
     monkeypatch.setattr(flash_fwd, "fwd_scalars", lambda *a: pytest.fail("scalars worked out again"))
     monkeypatch.setattr(flash_fwd, "fwd_meta", lambda *a: pytest.fail("constexprs worked out again"))
-    out, lse = flash_fwd.flash_attn_fwd(q2, k2, v2, 0.3, return_lse=True)
+    out, lse = flash_fwd.fa2_attn_fwd(q2, k2, v2, 0.3, return_lse=True)
     assert rel_err(out, attention_ref(q2, k2, v2, scale=0.3)) <= RTOL[torch.float16]
     s = (q2.double() @ k2.double().transpose(-1, -2)) * 0.3
-    assert torch.allclose(lse.double(), torch.logsumexp(s, -1) * flash_fwd.LOG2E, atol=1e-3)
+    assert torch.allclose(lse.double(), torch.logsumexp(s, -1) * LOG2E, atol=1e-3)
 
 
 class _Compiled:
@@ -340,7 +344,8 @@ class _Kernel:
 @pytest.fixture
 def direct_launch(monkeypatch):
     """Direct launches on, as on a CUDA device with triton >= 3.3; device 3's stream is 0x5EA."""
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import LOG2E, plan_key
 
     monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
     monkeypatch.setattr(flash_fwd, "_DIRECT_LAUNCH", True)
@@ -358,13 +363,13 @@ def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
     binaries = {}
     consts = {"FLAG": True, "BLOCK": 16, "num_warps": 4}
     for _ in range(2):
-        flash_fwd.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), consts, binaries, "key")
+        runtime.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), consts, binaries, "key")
     assert calls == [("jit", (2, 1, 1), ("x", 7), consts), ("binary", (2, 1, 1), 0x5EA, ("x", 7, 16, True))]
 
     calls.clear()
-    refusing = {"key": flash_fwd.Binary(_Compiled(calls, refuse=True), (16, True))}
-    flash_fwd.launch(_Kernel(_Compiled(calls)), (1, 1, 1), ("x", 7), consts, refusing, "key")
-    assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not flash_fwd._DIRECT_LAUNCH
+    refusing = {"key": runtime.Binary(_Compiled(calls, refuse=True), (16, True))}
+    runtime.launch(_Kernel(_Compiled(calls)), (1, 1, 1), ("x", 7), consts, refusing, "key")
+    assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not runtime._DIRECT_LAUNCH
 
 
 def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
@@ -372,28 +377,29 @@ def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
     Triton's runner, which calls the hooks, instead of straight through its C launcher."""
     flash_fwd = direct_launch
     calls = []
-    binary = flash_fwd.Binary(_Compiled(calls), (16, True))
+    binary = runtime.Binary(_Compiled(calls), (16, True))
     monkeypatch.setattr(flash_fwd, "launch_hooked", lambda: True)
-    flash_fwd.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), {}, {"key": binary}, "key")
+    runtime.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), {}, {"key": binary}, "key")
     assert calls == [("runner", (2, 1, 1), ("x", 7, 16, True))]
 
 
 def test_launch_hooks_are_seen():
     """:func:`launch_hooked` notices a hook added the way proton adds its own, and its removal."""
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import LOG2E, plan_key
 
     knobs = pytest.importorskip("triton.knobs")
     chain = knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
         pytest.skip("this triton's launch hook is a plain attribute")
-    assert not flash_fwd.launch_hooked()
+    assert not runtime.launch_hooked()
     hook = lambda metadata: None  # noqa: E731
     chain.add(hook)
     try:
-        assert flash_fwd.launch_hooked()
+        assert runtime.launch_hooked()
     finally:
         chain.remove(hook)
-    assert not flash_fwd.launch_hooked()
+    assert not runtime.launch_hooked()
 
 
 @pytest.mark.parametrize("n_q,n_k,expect", [(16384, 16384, True), (4096, 4096, False), (65536, 77, False)],
@@ -401,7 +407,8 @@ def test_launch_hooks_are_seen():
 def test_kv_tma_by_default_on_long_kernels(monkeypatch, n_q, n_k, expect):
     """Where the GPU allows TMA, the launcher takes it only where the kernel gains more than the
     descriptors cost the host: SD 1.5's 16,384-token self-attention, not 4096 tokens or 77 keys."""
-    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels.shared import LOG2E, plan_key
 
     monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
     monkeypatch.setattr(flash_fwd, "kv_tma_ok", lambda k, v: True)

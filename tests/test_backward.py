@@ -7,7 +7,7 @@ import torch
 
 from helpers import RTOL, case, make_mask, make_qkv, rel_err
 from sdpatch import attention
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 
 GRAD_CASES = [
@@ -57,7 +57,7 @@ def test_mask_takes_no_gradient():
 def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split):
     """The backward kernels are exact with the head dim as one padded tile or as two parts."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = make_qkv(1, 2, 17, 19, D, torch.float16, "bnhd", seed=5)
     mask = make_mask(mask_kind, 1, 2, 17, 19, torch.float16)
@@ -79,7 +79,7 @@ def test_triton_backward_query_splits_agree(splits):
     """dK and dV are the same whether one program per key block walks every query block or
     several share them out (10 splits of 7 query blocks leave some splits empty)."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     q, k, v = make_qkv(2, 2, 97, 77, 40, torch.float16, "bnhd", seed=7)
     mask = make_mask("padding", 2, 2, 97, 77, torch.float16)
@@ -129,7 +129,7 @@ def test_triton_backward_layout_seen_before_reuses_its_launch(monkeypatch):
     new call's tensors, mask and query splits included, working none of it out again: the
     gradients are those of the new data."""
     from sdpatch.kernels import flash_bwd
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     for seed in (13, 14):
         if seed == 14:
@@ -163,7 +163,7 @@ def test_triton_backward_tails_with_every_score_far_below_zero():
     -1000: the log-sum-exp is then so negative that exp2(0 - lse) on a padded key overflows, so
     the dQ kernel must still mask the key tail, and the dK/dV kernel's padded rows must stay its own."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     g = torch.Generator().manual_seed(9)
     u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)

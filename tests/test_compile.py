@@ -6,6 +6,7 @@ relative error against float64 attention or against the same model run eagerly: 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -14,10 +15,11 @@ import torch
 import arch
 import sdpatch
 from sdpatch import ops, patch_unet
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 RTOL = 1e-5
-attention_module = importlib.import_module("sdpatch.attention")  # the package's `attention` is the function
+attention_module = importlib.import_module("sdpatch.attention.dispatch")
+faults = importlib.import_module("sdpatch.attention.faults")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -127,7 +129,7 @@ def test_compiled_call_takes_the_backend_chosen_at_trace_time():
 
 def test_compiled_call_raises_instead_of_retrying(monkeypatch):
     """Inside a trace there is no retry: a kernel failure reaches the caller as it is."""
-    import sdpatch.kernels.flash_fwd as kernels
+    import sdpatch.kernels.forward as kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel today")
@@ -137,7 +139,7 @@ def test_compiled_call_raises_instead_of_retrying(monkeypatch):
     fn = torch.compile(lambda q, k, v: sdpatch.attention(q, k, v, backend="triton"), fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match="no kernel today"):
         fn(q, k, v)
-    assert not attention_module._triton_failures  # and nothing was remembered for eager calls
+    assert not faults._failures  # and nothing was remembered for eager calls
 
 
 def test_capture_raises_out_of_memory_instead_of_retrying(monkeypatch):
@@ -147,12 +149,12 @@ def test_capture_raises_out_of_memory_instead_of_retrying(monkeypatch):
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(attention_module, "_run", oom)
+    monkeypatch.setitem(attention_module.REGISTRY, "chunked", dataclasses.replace(attention_module.REGISTRY["chunked"], run=oom))
     q, k, v = qkv(1, 1, 8, 8, 16)
-    monkeypatch.setattr(attention_module, "_capturing", lambda q: True)
+    monkeypatch.setattr(faults, "capturing", lambda q: True)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         sdpatch.attention(q, k, v, backend="chunked", on_fallback=fallbacks.append)
-    monkeypatch.setattr(attention_module, "_capturing", lambda q: False)
+    monkeypatch.setattr(faults, "capturing", lambda q: False)
     out = sdpatch.attention(q, k, v, backend="chunked", on_fallback=fallbacks.append)  # eager: retried
     assert [f.backend for f in fallbacks] == ["chunked"]
     assert rel_err(out, attention_ref(q.double(), k.double(), v.double())) < RTOL

@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import sdpatch.chunked
+import sdpatch.attention.chunked as chunked_module
 from helpers import RTOL, rel_err
 from sdpatch import attention
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 FUZZ = settings(
     derandomize=True,  # a fixed seed: the same cases on every run
@@ -143,11 +143,11 @@ class Case:
         return q, k, v, mask, do
 
 
-_SCORE_DTYPE = sdpatch.chunked._score_dtype
+_SCORE_DTYPE = chunked_module._score_dtype
 
 
 def _device_score_dtype(dtype, device, upcast):
-    # sdpatch.chunked's own choice as it would be on a CUDA device.
+    # sdpatch.attention.chunked's own choice as it would be on a CUDA device.
     return _SCORE_DTYPE(dtype, torch.device("cuda"), upcast)
 
 
@@ -155,7 +155,7 @@ def run_sdpatch(case: Case, q, k, v, mask, scale):
     """sdpatch.attention on the case's backend (for chunked: its budget and score dtype)."""
     kw = {"chunk_budget": case.budget, "upcast": case.scores == "upcast"} if case.backend == "chunked" else {}
     like_device = case.scores == "device"
-    with mock.patch.object(sdpatch.chunked, "_score_dtype", _device_score_dtype) if like_device else nullcontext():
+    with mock.patch.object(chunked_module, "_score_dtype", _device_score_dtype) if like_device else nullcontext():
         return attention(q, k, v, scale=scale, attn_mask=mask, backend=case.backend, **kw)
 
 

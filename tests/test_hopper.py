@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sdpatch.kernels import flash_fwd_hopper as fh
-from sdpatch.reference import attention_ref
+from sdpatch.kernels.shared import split_parts
+from sdpatch.attention.naive import attention_ref
 
 
 def qkv(dtype=torch.float16, D=40, layout="bnhd", Nq=64, Nk=64):
@@ -97,7 +98,7 @@ SPLITS = [(40, (32, 16)), (48, (32, 16)), (64, (64, 0)), (80, (64, 16)), (100, (
 
 @pytest.mark.parametrize("D,parts", SPLITS, ids=[f"D{d}" for d, _ in SPLITS])
 def test_split_head_dim(D, parts):
-    assert fh.split_head_dim(D) == parts
+    assert split_parts(D) == parts
 
 
 # Compiles the kernel for sm_90 in a process of its own: under TRITON_INTERPRET (set for every test)
@@ -151,7 +152,7 @@ def test_compiles_for_sm90(D, lse, n, dtype, sms, grid):
     built = json.loads(run.stdout.strip().splitlines()[-1])
     ptx, *combine = built["ptx"]
     assert built["tail"] is (grid == "tail") and built["mixed"] is (grid == "mixed") and len(combine) == (grid == "tail")
-    parts = 2 if fh.split_head_dim(D)[1] else 1
+    parts = 2 if split_parts(D)[1] else 1
     consumers = fh.config_for(D)[3]
     assert built["num_warps"] == 4 * consumers + 4  # the producer's warp holds a warpgroup's slot
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{fh.consumer_regs(consumers)};", ptx)
@@ -166,7 +167,7 @@ def test_compiles_for_sm90(D, lse, n, dtype, sms, grid):
 
 def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch, caplog):
     """A Gluon launch that raises (say, an API this triton changed) costs one warning, not the call."""
-    from sdpatch.kernels.flash_fwd import flash_attn_fwd
+    from sdpatch.kernels.forward import flash_attn_fwd
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such Gluon op")

@@ -15,6 +15,7 @@ as a CUDA device (:func:`triton_as_on_cuda`); its own logic, remembered failures
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import json
 import logging
@@ -35,15 +36,17 @@ from triton.runtime.errors import OutOfResources
 import arch
 from helpers import FAST, console_script, invoke
 from sdpatch import BackendChoice, BackendUnavailableError, explain, patch_report, patch_unet
-from sdpatch.chunked import DEFAULT_CHUNK_BUDGET
+from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.errors import InputError
 from sdpatch.generate import GenerationRequest, run
 from sdpatch.models import resolve_model
-from sdpatch.reference import attention_ref
+from sdpatch.attention.naive import attention_ref
 
 # `sdpatch.attention` is also the name of the function that the package exports.
-attention_mod = importlib.import_module("sdpatch.attention")
-flash_fwd = importlib.import_module("sdpatch.kernels.flash_fwd")
+attention_mod = importlib.import_module("sdpatch.attention.dispatch")
+faults = importlib.import_module("sdpatch.attention.faults")
+chunked_mod = importlib.import_module("sdpatch.attention.chunked")
+forward = importlib.import_module("sdpatch.kernels.forward")
 
 MiB = 2**20
 OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -52,8 +55,9 @@ OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 @pytest.fixture(autouse=True)
 def fresh_fault_state(monkeypatch):
     """Each test starts with no remembered Triton failure and no fault warned about yet."""
-    monkeypatch.setattr(attention_mod, "_triton_failures", {})
-    monkeypatch.setattr(attention_mod, "_warned", set())
+    monkeypatch.setattr(faults, "_failures", {})
+    monkeypatch.setattr(faults, "_warned", set())
+    monkeypatch.setattr(faults, "choices", {})
 
 
 @pytest.fixture
@@ -76,7 +80,7 @@ def fail_launch(monkeypatch, exc: BaseException) -> list[tuple]:
         calls.append(tuple(q.shape))
         raise exc
 
-    monkeypatch.setattr(flash_fwd, "flash_attn_fwd", launch)
+    monkeypatch.setattr(forward, "flash_attn_fwd", launch)
     return calls
 
 
@@ -84,13 +88,13 @@ def fail_sdpa(monkeypatch) -> None:
     def sdpa(*args, **kwargs):
         raise OOM
 
-    monkeypatch.setattr(attention_mod, "_sdpa", sdpa)
+    monkeypatch.setitem(attention_mod.REGISTRY, "sdpa", dataclasses.replace(attention_mod.REGISTRY["sdpa"], run=sdpa))
 
 
 def spy_chunked(monkeypatch, fits_below: int | None = None) -> list[int | None]:
     """Record the budget of every chunked call; raise OOM for budgets of ``fits_below`` or more."""
     budgets = []
-    real = attention_mod.chunked_attention
+    real = chunked_mod.chunked_attention
 
     def chunked(q, k, v, scale, mask=None, budget=None, upcast=False):
         budgets.append(budget)
@@ -98,7 +102,7 @@ def spy_chunked(monkeypatch, fits_below: int | None = None) -> list[int | None]:
             raise OOM
         return real(q, k, v, scale, mask, budget, upcast)
 
-    monkeypatch.setattr(attention_mod, "chunked_attention", chunked)
+    monkeypatch.setattr(chunked_mod, "chunked_attention", chunked)
     return budgets
 
 
@@ -182,7 +186,7 @@ def test_oom_at_the_floor_is_raised(monkeypatch):
     budgets = spy_chunked(monkeypatch, fits_below=0)
     with pytest.raises(torch.OutOfMemoryError):
         attention_mod.attention(*qkv(), backend="sdpa", chunk_budget=8 * MiB)
-    assert budgets == [2 * MiB, attention_mod.MIN_FALLBACK_BUDGET]
+    assert budgets == [2 * MiB, faults.MIN_FALLBACK_BUDGET]
 
 
 def test_generate_survives_oom_and_reports_it(tmp_path, monkeypatch, caplog):

@@ -58,3 +58,4 @@ class Backend:
     auto_refuses: Callable[[Call], str | None] = lambda call: None
     auto_reason: Callable[[Call], str] = lambda call: "auto"
     path: Callable[..., str | None] = lambda q, k, v, mask: None
+    falls_back: bool = False

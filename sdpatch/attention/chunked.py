@@ -18,6 +18,8 @@ from itertools import product
 
 import torch
 
+from .base import Backend
+
 DEFAULT_CHUNK_BUDGET = 256 * 2**20  # bytes of score buffer; 256 MiB keeps matmuls large on GPUs
 
 
@@ -199,3 +201,31 @@ def chunked_attention(
     """
     budget = DEFAULT_CHUNK_BUDGET if budget is None else budget
     return ChunkedAttention.apply(q, k, v, scale, mask, budget, upcast)
+
+
+def workspace(batch: int, heads: int, nq: int, nk: int, head_dim: int, elem: int,
+              chunk_budget: int | None = None, upcast: bool = False) -> float:
+    """Bytes a forward call holds beyond q, k, v and its output, as :class:`ChunkedAttention` sizes
+    it: ``elem``-byte scores (fp32 when ``upcast``), with fp32 copies of k and v when upcasting,
+    then whole query rows within the rest of the budget, each row counted as its scores, scaled
+    query and P @ V result; the latter two are never alive at once."""
+    budget = DEFAULT_CHUNK_BUDGET if chunk_budget is None else chunk_budget
+    f = 4 if upcast else elem
+    copies = 2 * batch * heads * nk * head_dim * f if f != elem else 0
+    chunk = plan_chunks(batch, heads, nq, (nk + 2 * head_dim) * f, budget - copies)
+    return copies + chunk.batch * chunk.heads * chunk.queries * (nk + head_dim) * f
+
+
+def _run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast):
+    return chunked_attention(q, k, v, scale, mask, chunk_budget, upcast)
+
+
+BACKEND = Backend(
+    name="chunked",
+    description="plain PyTorch, queries in chunks within a byte budget: every device, dtype and head dim",
+    supports=lambda call: None,
+    run=_run,
+    workspace=workspace,
+    status=lambda device: (True, "plain PyTorch: every device and head dim"),
+    auto_reason=lambda call: "serves every call",
+)

@@ -1,24 +1,4 @@
-"""``sdpatch.attention``: validation, the one backend decision, and the autograd wrappers.
-
-Backends:
-
-- ``"triton"``: sdpatch's FlashAttention-2-style kernels (CUDA; or the CPU interpreter under
-  ``TRITON_INTERPRET=1``). Head dims 1..256, fp16/bf16/fp32, any strides, masks.
-- ``"chunked"``: plain PyTorch, chunked over queries within a byte budget. Every device, every
-  head dim (the SD VAE's 512), fp64 too.
-- ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``, for comparison.
-- ``"auto"``: triton where it supports the call on a CUDA device, else chunked.
-
-Faults (see :func:`attention`): a call that runs out of memory is retried on the chunked backend
-at a smaller budget; a Triton kernel that fails to compile or launch makes ``auto`` use chunked
-for such calls from then on, and makes an explicit ``"triton"`` raise. Neither happens inside a
-``torch.compile`` trace or a CUDA-graph capture, which cannot re-run a call: there the error is
-raised to the caller (see :func:`attention`).
-
-Graphs and compilers: eager calls launch the kernels straight from Python; under ``torch.compile``
-the triton backend is the custom op ``torch.ops.sdpatch.flash_fwd`` (:mod:`sdpatch.ops`), chosen
-at trace time, with its backward op as its autograd formula. Nothing here keeps per-call state that
-a captured graph or a compiled region would have to replay.
+"""``sdpatch.attention``: validation, the backend the registry chooses, and the fault policy's retries.
 
 Mask convention, shared by every backend: a boolean mask keeps True entries; a float mask is
 added to the scaled scores; a query row whose keys are all masked out gives zeros (not NaN).
@@ -26,152 +6,20 @@ added to the scaled scores; a query row whose keys are all masked out gives zero
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .chunked import DEFAULT_CHUNK_BUDGET, chunked_attention, dead_rows
-from .errors import first_line
+from ..errors import first_line
+from . import faults
+from .base import BackendChoice, BackendUnavailableError
+from . import chunked
+from .chunked import DEFAULT_CHUNK_BUDGET
+from .faults import MIN_FALLBACK_BUDGET, Fallback
+from .registry import REGISTRY, choose_backend
 
-logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "triton", "chunked", "sdpa")
-TRITON_MAX_HEAD_DIM = 256
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPES = (*_TRITON_DTYPES, torch.float64)
-# Out of memory, the chunked retry starts at a quarter of its usual budget, leaving room for
-# whatever else holds memory, and halves down to this floor (a few rows per chunk at SD sizes).
-MIN_FALLBACK_BUDGET = 2**20
-
-# (device, dtype, head dim) -> why the Triton kernel failed there. Remembered for the process:
-# a compiler that is missing or rejects the kernel will not succeed on the next call either.
-_triton_failures: dict[tuple[str, torch.dtype, int], str] = {}
-_warned: set[str] = set()  # kinds of fault already logged at warning level
-
-
-class BackendUnavailableError(RuntimeError):
-    """An explicitly requested backend cannot serve this call; the message says why."""
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    name: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.reason})"
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """A call that the chunked backend served after ``backend`` failed; ``budget`` is what fit."""
-
-    backend: str
-    reason: str
-    budget: int
-
-
-# CUDA calls' backend choices by (device, dtype, head dim, backend). Nothing a choice there depends
-# on changes while the process runs, except a Triton failure, which clears this; deciding anew cost
-# microseconds of host time per call, and SD's UNets at 512-1024 px are host-bound on an H200.
-_cuda_choices: dict[tuple, BackendChoice] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-
-        from .kernels import flash_fwd  # noqa: F401
-    except Exception as e:  # a broken install is as unusable as a missing one
-        return f"triton cannot be imported ({type(e).__name__}: {e})"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """sdpatch's kernel modules (flash_fwd, flash_bwd), imported on first use: an import statement
-    per call costs a microsecond of the host time that bounds SD's UNets (see :data:`_cuda_choices`)."""
-    from .kernels import flash_bwd, flash_fwd
-
-    return flash_fwd, flash_bwd
-
-
-def _interpreting() -> bool:
-    if _triton_import_error() is not None:
-        return False
-    from .kernels.flash_fwd import interpreting
-
-    return interpreting()
-
-
-def triton_status(device: torch.device | str) -> tuple[bool, str]:
-    """Whether sdpatch's Triton kernels can run on ``device``, and why not."""
-    device = torch.device(device)
-    err = _triton_import_error()
-    if err is not None:
-        return False, err
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available"
-        return True, "Triton kernels on CUDA"
-    if device.type == "cpu" and _interpreting():
-        return True, "TRITON_INTERPRET=1: the Triton interpreter on the CPU (slow, for tests)"
-    return False, f"Triton kernels need a CUDA device, got {device.type}"
-
-
-def backend_status(device: torch.device | str) -> dict[str, tuple[bool, str]]:
-    """For each concrete backend: whether it can run on ``device`` here, and why (not)."""
-    ok, why = triton_status(device)
-    return {
-        "triton": (ok, why),
-        "chunked": (True, "plain PyTorch: every device and head dim"),
-        "sdpa": (True, f"torch {torch.__version__} scaled_dot_product_attention"),
-    }
-
-
-def choose_backend(
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    head_dim: int,
-    backend: str = "auto",
-) -> BackendChoice:
-    """The one place that decides which backend a call gets, and why.
-
-    Raises ``ValueError`` for an unknown backend and :class:`BackendUnavailableError` when an
-    explicitly requested backend cannot serve the call.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    device = torch.device(device)
-    if backend in ("chunked", "sdpa"):
-        return BackendChoice(backend, "requested")
-
-    ok, why = triton_status(device)
-    problem = None
-    if not ok:
-        problem = why
-    elif head_dim > TRITON_MAX_HEAD_DIM:
-        problem = f"head dim {head_dim} > {TRITON_MAX_HEAD_DIM}"
-    elif dtype not in _TRITON_DTYPES:
-        problem = f"dtype {dtype} is not fp16, bf16 or fp32"
-    elif (failure := _triton_failures.get((str(device), dtype, head_dim))) is not None:
-        problem = f"the Triton kernel failed here before ({failure})"
-    if backend == "triton":
-        if problem is not None:
-            raise BackendUnavailableError(f"backend='triton' cannot run here: {problem}")
-        return BackendChoice("triton", "requested")
-    if problem is not None:
-        return BackendChoice("chunked", problem)
-    if device.type != "cuda":  # never pick the interpreter on its own: it is for tests
-        return BackendChoice("chunked", "not a CUDA device")
-    return BackendChoice("triton", f"CUDA, head dim {head_dim} <= {TRITON_MAX_HEAD_DIM}")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _validate(q, k, v, attn_mask, scale) -> tuple[torch.Tensor | None, float]:
@@ -230,59 +78,6 @@ def _validate(q, k, v, attn_mask, scale) -> tuple[torch.Tensor | None, float]:
     return attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)), float(scale)
 
 
-class TritonAttention(torch.autograd.Function):
-    """Forward and backward through sdpatch's Triton kernels; saves O and the log-sum-exp only."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, mask):
-        needs_grad = any(ctx.needs_input_grad[:3])
-        out, lse = _kernels()[0].flash_attn_fwd(q, k, v, scale, mask, return_lse=needs_grad)
-        if needs_grad:
-            ctx.save_for_backward(q, k, v, out, lse, mask)
-            ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = _kernels()[1].flash_attn_bwd(do, q, k, v, out, lse, ctx.scale, mask)
-        return dq, dk, dv, None, None
-
-
-def _sdpa(q, k, v, scale, mask):
-    if any(t.data_ptr() % 16 or t.stride(-1) != 1 for t in (q, k, v)):
-        # PyTorch's fused kernels returned wrong values (rel err 1.4) on rows that do not start
-        # 16-byte aligned (a slice of wider rows, head dim 80, bool mask; H200, torch 2.11).
-        q, k, v = (t.contiguous() for t in (q, k, v))
-    bias = mask.to(q.dtype) if mask is not None and mask.is_floating_point() else mask  # SDPA wants q's dtype
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    if mask is not None:
-        # SDPA returns NaN for rows with every key masked; sdpatch's convention is zeros.
-        out = out.masked_fill(dead_rows(mask), 0.0)
-    return out
-
-
-def _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast):
-    if name == "triton" and torch.compiler.is_compiling():
-        from . import ops  # noqa: F401 (registers torch.ops.sdpatch)
-
-        return torch.ops.sdpatch.flash_fwd(q, k, v, mask, scale, needs_grad)[0]
-    if name == "triton":
-        if not needs_grad:  # inference skips autograd's bookkeeping: it shows at 10-50 us kernels
-            return _kernels()[0].flash_attn_fwd(q, k, v, scale, mask)[0]
-        return TritonAttention.apply(q, k, v, scale, mask)
-    if name == "sdpa":
-        return _sdpa(q, k, v, scale, mask)
-    return chunked_attention(q, k, v, scale, mask, chunk_budget, upcast)
-
-
-def _warn_once(kind: str, msg: str, *args) -> None:
-    """Log the first fault of each kind as a warning, later ones at debug level: a long run can
-    fall back thousands of times, and the patch report counts them per layer."""
-    logger.log(logging.DEBUG if kind in _warned else logging.WARNING, msg, *args)
-    _warned.add(kind)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -303,7 +98,7 @@ def attention(
         scale: softmax scale; default ``1 / sqrt(D)``.
         attn_mask: bool (True = attend) or additive float mask broadcastable to (B, H, Nq, Nk).
             Query rows with every key masked out give zeros. Masks take no gradient.
-        backend: one of :data:`BACKENDS`; see :func:`choose_backend` for ``"auto"``.
+        backend: one of :data:`sdpatch.BACKENDS`; see :func:`choose_backend` for ``"auto"``.
         chunk_budget: bytes of score buffer for the chunked backend (default 256 MiB).
         upcast: compute the chunked backend's scores in fp32 for fp16 inputs (diffusers'
             ``upcast_attention``; bf16 scores are always fp32); the triton backend always
@@ -335,45 +130,45 @@ def attention(
         if q.numel() == 0:
             return q * 0
         name = _traced_choice(q.device, q.dtype, q.shape[-1], backend)
-        return _run(name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
+        return REGISTRY[name].run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
     key = (q.device, q.dtype, q.shape[-1], backend) if q.is_cuda else None
-    choice = _cuda_choices.get(key) if key else None
+    choice = faults.choices.get(key) if key else None
     if choice is None:
         choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)
         if key:
-            _cuda_choices[key] = choice
+            faults.choices[key] = choice
     if q.numel() == 0:  # B, H or Nq is 0: the result is well defined and empty
         return q * 0
     try:
-        return _run(choice.name, q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
+        return REGISTRY[choice.name].run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
     except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError from 2.5 on; the same class
-        if _capturing(q):
+        if faults.capturing(q):
             raise
         reason = f"out of memory: {first_line(err)}"
         budget = (DEFAULT_CHUNK_BUDGET if chunk_budget is None else chunk_budget) // 4
-        _warn_once(
+        faults.warn_once(
             "oom",
             "%s attention: %s; retrying on chunked with a %.1f MiB budget",
             choice.name,
             reason,
             budget / 2**20,
         )
-    except Exception as err:  # noqa: BLE001 (whatever the Triton launch raises: see the docstring)
-        if choice.name != "triton" or _capturing(q):
+    except Exception as err:  # noqa: BLE001 (whatever a kernel's launch raises: see the docstring)
+        if not REGISTRY[choice.name].falls_back or faults.capturing(q):
             raise
         # Triton's CompilationError starts with the source location; its error_message says what failed.
         reason = f"{type(err).__name__}: {getattr(err, 'error_message', None) or first_line(err)}"
-        _triton_failures[(str(q.device), q.dtype, q.shape[-1])] = reason
-        _cuda_choices.clear()
+        faults.remember_failure(choice.name, q.device, q.dtype, q.shape[-1], reason)
         budget = chunk_budget
-        if backend == "triton":
+        if backend == choice.name:
             raise BackendUnavailableError(
-                f"backend='triton' failed to compile or launch its kernel ({reason}); "
+                f"backend={backend!r} failed to compile or launch its kernel ({reason}); "
                 "backend='auto' would run such calls on chunked"
             ) from err
-        _warn_once(
-            "triton",
-            "the Triton kernel failed on %s, %s, head dim %d (%s); such calls run on chunked from now on",
+        faults.warn_once(
+            choice.name,
+            "the %s kernel failed on %s, %s, head dim %d (%s); such calls run on chunked from now on",
+            choice.name.capitalize(),
             q.device,
             q.dtype,
             q.shape[-1],
@@ -385,11 +180,6 @@ def attention(
     if on_fallback is not None:
         on_fallback(Fallback(choice.name, reason, budget))
     return out
-
-
-def _capturing(q: torch.Tensor) -> bool:
-    """Whether this call is being recorded into a CUDA graph: a retry would record half a call."""
-    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _traced_choice(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str) -> str:
@@ -406,7 +196,7 @@ def _chunked_retry(q, k, v, scale, mask, budget, upcast) -> tuple[torch.Tensor, 
     budget = DEFAULT_CHUNK_BUDGET if budget is None else budget
     while True:
         try:
-            return chunked_attention(q, k, v, scale, mask, budget, upcast), budget
+            return chunked.chunked_attention(q, k, v, scale, mask, budget, upcast), budget
         except torch.cuda.OutOfMemoryError:
             if budget <= MIN_FALLBACK_BUDGET:
                 raise
@@ -421,6 +211,16 @@ def explain(
     attn_mask: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> BackendChoice:
-    """Which backend :func:`attention` gives this call, and why, without running it."""
-    _validate(q, k, v, attn_mask, None)
-    return choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)
+    """Which backend :func:`attention` gives this call, why, and which kernel path inside it, without
+    running it.
+
+    The returned :class:`BackendChoice` has the backend's ``name`` (a key of the registry), the
+    ``reason`` (``"requested"``, or what made ``auto`` pick it), and ``path``: for ``triton``, the
+    kernel and its grid as the launch layer would run them (e.g. ``"gluon, head dim 40 as 32 + 16,
+    last wave split in 3"`` or ``"triton fa2, head dim 64"``); None for backends with one path.
+    Raises like :func:`attention` for invalid inputs or an explicit backend that cannot serve.
+    """
+    mask, _ = _validate(q, k, v, attn_mask, None)
+    choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)
+    path = REGISTRY[choice.name].path(q, k, v, mask)
+    return BackendChoice(choice.name, choice.reason, path)

@@ -20,7 +20,7 @@ from torch import Tensor
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, return_lse: bool) -> Tuple[Tensor, Tensor]:
     """(out, lse): attention of (B, H, Nq, D) q over (B, H, Nk, D) k and v, and the fp32 (B, H, Nq)
     base-2 log-sum-exp, or an empty lse unless ``return_lse`` (an op cannot return None)."""
-    from .kernels.flash_fwd import flash_attn_fwd
+    from ..kernels.forward import flash_attn_fwd
 
     out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=return_lse)
     return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
@@ -37,7 +37,7 @@ def flash_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor], scale: float
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of :func:`flash_fwd`, from its output and log-sum-exp."""
-    from .kernels.flash_bwd import flash_attn_bwd
+    from ..kernels.flash_bwd import flash_attn_bwd
 
     return flash_attn_bwd(do, q, k, v, out, lse, scale, mask)
 

@@ -31,9 +31,9 @@ def import_error() -> str | None:
 def kernels():
     """The launch layer's forward and backward modules, imported on first use: an import statement
     per call costs a microsecond of the host time that bounds SD's UNets."""
-    from ..kernels import backward, forward
+    from ..kernels import flash_bwd, forward
 
-    return forward, backward
+    return forward, flash_bwd
 
 
 def _interpreting() -> bool:
@@ -136,4 +136,5 @@ BACKEND = Backend(
     auto_refuses=auto_refuses,
     auto_reason=auto_reason,
     path=path,
+    falls_back=True,
 )

@@ -1,0 +1,194 @@
+"""The launch runtime every launcher shares: launch plans, direct launches of compiled binaries,
+grids, alignment hints, and the autotuner's options.
+
+A launcher keeps a :class:`Plan` per input layout (:func:`cached_plan`): the constexprs, the tiles the
+autotuner picked, and the compiled binaries, so that a layout seen before costs its launch and
+little else on the host. :func:`launch` goes through Triton's JIT once per (layout, tiles) and
+straight to the compiled binary after (:class:`Binary`): no C++ is built on the user's machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+logger = logging.getLogger(__name__)
+
+MAX_GRID_Y = 65535  # CUDA's limit on grid dims y and z
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: ``triton.cdiv`` is a constexpr function, a few us a call."""
+    return -(-a // b)
+
+
+def launch_grid(n_rows: int, bh: int, block_m: int) -> tuple[int, int, int]:
+    """Row blocks on grid dim 0 (limit 2^31 - 1); B*H over dims 1 and 2 (65,535 each)."""
+    return cdiv(n_rows, block_m), min(bh, MAX_GRID_Y), cdiv(bh, MAX_GRID_Y)
+
+
+def vector_align(*tensors: torch.Tensor) -> int:
+    """The alignment the kernels' row offsets are hinted with, in elements (1: none known).
+
+    Where every stride is a multiple of 16, as at head dims 64 and 128, 16: what Triton infers
+    itself from its integer specialization, so that the hint claims no less (v1 hinted 8 there,
+    and its backward at head dim 64 measured 208 TFLOP/s against v0's 290 without hints).
+    Otherwise, when every row of every tensor still starts 16-byte aligned (head dims 40 and 80),
+    one 16-byte vector; else 1.
+    """
+    if any(t.stride(-1) != 1 or t.data_ptr() % 16 for t in tensors):
+        return 1
+    strides = [s for t in tensors for s in t.stride()[:-1]]
+    for align in (16, 16 // tensors[0].element_size()):
+        if all(s % align == 0 for s in strides):
+            return align
+    return 1
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device, not the tensors': make ``t``'s current (only
+    when it is not: switching costs microseconds a call on the host)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+# Triton >= 3.3 launches a compiled binary given every parameter's value, constexprs included
+# (``CompiledKernel[grid](*args)``); older versions take another list, and keep the JIT path.
+_DIRECT_LAUNCH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3)
+
+try:  # triton >= 3.4 keeps its launch hooks here; 3.3 on CompiledKernel
+    from triton import knobs as _knobs
+except ImportError:
+    _knobs = None
+
+
+def launch_hooked() -> bool:
+    """Whether a profiler (Triton's proton, ...) has hooked kernel launches: then they go through
+    Triton's own launch path, which calls the hooks."""
+    if _knobs is not None:
+        hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    else:
+        from triton.compiler import CompiledKernel
+
+        hooks = (CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)  # triton >= 3.6: a chain, empty when unhooked
+
+
+def current_device_and_stream():
+    """The current CUDA device's index, and the function giving a device's current stream, as Triton has them."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_device(), driver.active.get_current_stream
+
+
+class Binary:
+    """A compiled kernel, launched straight through its C launcher (``CompiledKernel.run``).
+
+    Triton's runner (``CompiledKernel[grid]``) looks up the current device and stream, builds
+    launch metadata and has the launcher call two (empty) hook chains back in Python, every launch:
+    3-5 us of a 9-19 us launch on the lent H200 hosts (docs/benchmarks.md, v7). The kernel was
+    loaded on the device current at its first launch, and :func:`on_device` makes that device
+    current for every later launch of its plan, so only the stream is looked up per call.
+    """
+
+    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream")
+
+    def __init__(self, compiled, consts: tuple):
+        self.compiled, self.consts = compiled, consts
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.device, self.current_stream = current_device_and_stream()
+
+    def __call__(self, grid: tuple, args: tuple) -> None:
+        if launch_hooked():
+            self.compiled[grid](*args, *self.consts)
+            return
+        self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
+                 *args, *self.consts)
+
+
+def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
+    """Launch a jitted kernel: the first time for ``key`` through Triton's JIT (binding the
+    arguments, specializing on them, compiling or finding the binary), later straight to that
+    binary (:class:`Binary`).
+
+    The JIT's binding and specialization cost tens of microseconds a launch on the host, as long as
+    a whole kernel at 77 keys. ``key`` must fix everything Triton specializes on: dtypes, every
+    integer argument (sizes, strides), each pointer's 16-byte alignment, and the constexprs; the
+    launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
+    parameters; ``consts`` its constexprs and launch options.
+    """
+    binary = binaries.get(key)
+    if binary is not None:
+        try:
+            binary(grid, args)
+            return
+        except (TypeError, ValueError, KeyError) as e:  # a Triton whose launcher wants other arguments
+            _no_direct_launch(binaries, e)
+    compiled = kernel[grid](*args, **consts)
+    if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
+        try:  # the binary takes the constexprs too, in the kernel's parameter order
+            binaries[key] = Binary(compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
+        except AttributeError as e:  # a Triton whose compiled kernels lack what Binary launches with
+            _no_direct_launch(binaries, e)
+
+
+def _no_direct_launch(binaries: dict, err: Exception) -> None:
+    global _DIRECT_LAUNCH
+    _DIRECT_LAUNCH = False
+    binaries.clear()
+    logger.warning("direct kernel launches disabled (%s: %s); launching through Triton's JIT", type(err).__name__, err)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What a launch of one input layout needs besides its tensors: found once, then reused."""
+
+    meta: dict
+    config: dict | None = None  # the autotuner's pick, once it has tuned this shape
+    binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
+    tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
+
+
+# Plans a launcher keeps, by layout. Working out the constexprs and going through Triton's autotuner
+# cost tens of microseconds per call on the host, as much as a whole attention kernel at 77 keys; a
+# UNet repeats a few dozen layouts.
+MAX_PLANS = 4096
+
+
+def cached_plan(plans: dict, key: tuple, make):
+    """``plans[key]``, made by ``make()`` on first use; the cache starts over past ``MAX_PLANS``."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = make()
+    return plan
+
+
+def config_kwargs(config: triton.Config) -> dict:
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+
+def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:
+    """Autotune configs from (BLOCK_M, BLOCK_N, warps, stages) tuples."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]
+
+
+def autotune_options() -> dict:
+    """Keep autotuning results on disk beside Triton's kernel cache where Triton can (>= 3.3):
+    a pipeline's second run skips the tuning its first run paid."""
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
