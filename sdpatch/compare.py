@@ -41,7 +41,6 @@ from sdpatch.attention import backend_status
 from sdpatch.errors import InputError, first_line
 from sdpatch.generate import (
     PHASE_LABELS,
-    GenerationRequest,
     atomic_write,
     check_folder,
     apply_backend,
@@ -51,17 +50,24 @@ from sdpatch.generate import (
     write_json,
     write_png,
 )
-from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, total, weights_bytes
+from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, is_oom, plural, total, weights_bytes
 from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
-from sdpatch.planner import apply_plan, fit, parse_budget, plan_lines, remove_plan, single_lever
+from sdpatch.planner import apply_plan, fit, plan_lines, remove_plan, single_lever
+from sdpatch.settings import (  # noqa: F401 (re-exported: the compare API)
+    COMPARE_BACKENDS,
+    DEFAULT_PROMPT,
+    SIZE_STEP,
+    CompareSettings,
+    check_backends,
+    check_sizes,
+    parse_backends,
+    parse_sizes,
+)
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-SIZE_STEP = 64  # --max-size searches square sizes in steps of 64 px
-DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
-COMPARE_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked", "auto")
 # What a run compares when no backends are named: each one that can run here. ``auto`` is left
 # out: it is triton or chunked, layer by layer.
 DEFAULT_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked")
@@ -95,112 +101,6 @@ SD15_REFERENCE = {
 
 PHASE_FIELDS = ("name", "seconds", "peak_allocated", "peak_reserved", "peak_host", "step_seconds")
 
-_CUDA_OOM = torch.cuda.OutOfMemoryError  # torch.OutOfMemoryError from 2.5 on is the same class
-_OOM_ERRORS: tuple[type[BaseException], ...] = (_CUDA_OOM, MemoryError)
-
-
-@dataclass(frozen=True)
-class CompareSettings:
-    """What a comparison run measures.
-
-    ``sizes`` None: the model's native size, 2× and 4×. ``backends`` None: every backend of
-    :data:`DEFAULT_BACKENDS` that can run on the device. The reference backend is ``stock`` when
-    it is compared, else the first backend. ``batch`` images per pipeline call (the UNet batch
-    is twice that with classifier-free guidance). ``vram_cap_gib`` emulates a smaller GPU.
-    ``warmup`` runs each cell once with one step, unmeasured, before measuring it, so that
-    one-time costs (Triton autotuning's scratch buffers, cuDNN plans, cuBLAS workspaces) stay
-    out of the figures. ``vram_budget`` (GiB or ``auto``) adds the ``planned`` column: sdpatch
-    auto with the levers :func:`sdpatch.planner.fit` picks for each size.
-    """
-
-    sizes: tuple[int, ...] | None = None
-    backends: tuple[str, ...] | None = None
-    prompt: str = DEFAULT_PROMPT
-    steps: int = 3
-    guidance_scale: float = 7.5
-    seed: int = 0
-    batch: int = 1
-    vram_cap_gib: float | None = None
-    max_size: bool = False
-    max_size_limit: int = 8192
-    warmup: bool = True
-    vram_budget: str | None = None
-
-    def validate(self) -> None:
-        """Raise InputError for settings no run can use (device-independent checks)."""
-        if self.sizes is not None:
-            check_sizes(self.sizes)
-        if self.backends is not None:
-            check_backends(self.backends)
-        # The shared rules for steps, guidance and seed.
-        GenerationRequest(self.prompt, steps=self.steps, guidance_scale=self.guidance_scale, seed=self.seed).validate()
-        if self.batch < 1:
-            raise InputError(f"--batch must be at least 1, got {self.batch}")
-        if self.vram_cap_gib is not None and not self.vram_cap_gib > 0:
-            raise InputError(f"--vram-cap must be a positive number of GiB, got {self.vram_cap_gib}")
-        if self.max_size_limit < SIZE_STEP or self.max_size_limit % SIZE_STEP:
-            raise InputError(f"--max-size-limit must be a positive multiple of {SIZE_STEP}, got {self.max_size_limit}")
-        if self.vram_budget is not None:
-            parse_budget(self.vram_budget)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sizes": list(self.sizes) if self.sizes else None,
-            "backends": list(self.backends) if self.backends else None,
-            "prompt": self.prompt,
-            "steps": self.steps,
-            "guidance_scale": self.guidance_scale,
-            "seed": self.seed,
-            "batch": self.batch,
-            "vram_cap_gib": self.vram_cap_gib,
-            "max_size": self.max_size,
-            "max_size_limit": self.max_size_limit if self.max_size else None,
-            "warmup": self.warmup,
-            "vram_budget": self.vram_budget,
-        }
-
-
-# -- inputs ------------------------------------------------------------------------------------
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"512,1024"`` → (512, 1024), checked by :func:`check_sizes`."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        raise InputError(f"--sizes must be comma-separated whole numbers of pixels, got {text!r}") from None
-    check_sizes(sizes)
-    return sizes
-
-
-def check_sizes(sizes: Sequence[int]) -> None:
-    """Raise InputError unless ``sizes`` are distinct positive multiples of 8 (square image sides)."""
-    if not sizes:
-        raise InputError("--sizes needs at least one size")
-    for size in sizes:
-        if size <= 0 or size % 8:
-            raise InputError(f"--sizes: each size must be a positive multiple of 8, got {size}")
-    if len(set(sizes)) != len(sizes):
-        raise InputError(f"--sizes: a size is given twice in {','.join(map(str, sizes))}")
-
-
-def parse_backends(text: str) -> tuple[str, ...]:
-    """``"stock,naive"`` → ("stock", "naive"), checked by :func:`check_backends`."""
-    backends = tuple(p.strip().lower() for p in text.split(","))
-    check_backends(backends)
-    return backends
-
-
-def check_backends(backends: Sequence[str]) -> None:
-    """Raise InputError for an empty list, an unknown backend or one named twice."""
-    if not backends or not all(backends):
-        raise InputError(f"--backends needs comma-separated backend names: {', '.join(COMPARE_BACKENDS)}")
-    for name in backends:
-        if name not in COMPARE_BACKENDS:
-            raise InputError(f"unknown backend {name!r}: use some of {', '.join(COMPARE_BACKENDS)}")
-    if len(set(backends)) != len(backends):
-        raise InputError("--backends: a backend is named twice")
 
 
 def backend_availability(device: torch.device) -> dict[str, tuple[bool, str]]:
@@ -454,14 +354,6 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     else:
         _malloc_trim()
-
-
-def is_oom(err: BaseException) -> bool:
-    """Whether ``err`` means the device (or host) ran out of memory."""
-    if isinstance(err, _OOM_ERRORS):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def image_difference(images: Sequence[Image.Image], reference: Sequence[Image.Image]) -> tuple[int, float]:
@@ -774,11 +666,11 @@ class CompareReport:
         env = self.environment
         cuda = self.memory_kind == "cuda"
         unet_batch = self.unet_batch
-        images = f"{s.batch} image{'s' if s.batch > 1 else ''} per call (UNet batch {unet_batch})"
+        images = f"{plural(s.batch, 'image')} per call (UNet batch {unet_batch})"
         lines = [
             f"# sdpatch compare: {self.model} on {self.device_name}",
             "",
-            f"{self.started[:10]} · {self.dtype} · {s.steps} steps · seed {s.seed} · "
+            f"{self.started[:10]} · {self.dtype} · {plural(s.steps, 'step')} · seed {s.seed} · "
             f"guidance {s.guidance_scale} · {images} · prompt “{s.prompt}”",
             "",
             _environment_line(env, self.device_name),
