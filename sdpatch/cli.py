@@ -451,13 +451,14 @@ def compare(
     for backend, found in report.max_sizes.items():
         typer.echo(f"largest size, {backend}: " + (f"{found.size}²" if found.size else "none"))
     typer.echo(report.baseline_check()["message"])
-    for note in report.notes:
+    for note in [*report.timing_notes(), *report.notes]:
         typer.echo(f"note: {note}")
     files = ", ".join(f for f in ("report.json", "report.md", report.chart, report.grid) if f)
     typer.echo(f"wrote {report.out_dir}: {files}, images/")
     errors = sum(c.status == "error" for c in report.all_cells)
     if errors:
-        typer.echo(f"sdpatch: {plural(errors, 'cell')} failed with an error other than out of memory: see report.md", err=True)
+        failed = plural(errors, "cell")
+        typer.echo(f"sdpatch: {failed} failed with an error other than out of memory: see report.md", err=True)
         raise typer.Exit(1)
 
 
