@@ -51,7 +51,7 @@ from sdpatch.generate import (
     write_png,
 )
 from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, is_oom, plural, total, weights_bytes
-from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
+from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model, tokenizer_note
 from sdpatch.planner import apply_plan, fit, plan_lines, remove_plan, single_lever
 from sdpatch.progress import Progress
 from sdpatch.settings import (  # noqa: F401 (re-exported: the compare API)
@@ -1018,7 +1018,7 @@ def run(
     progress = Progress.of(progress)
     progress.phase(f"{'building' if source.kind == 'preset' else 'loading'} {model} on {torch_device}")
     pipe = load_pipeline(source, device=torch_device, dtype=torch_dtype)
-    notes = [n for n in (dtype_note, out_note) if n]
+    notes = [n for n in (dtype_note, out_note, tokenizer_note(model)) if n]
     return compare(pipe, settings, out_dir, model=model, notes=notes, on_cell=on_cell, progress=progress)
 
 

@@ -52,6 +52,7 @@ from sdpatch.models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    tokenizer_note,
 )
 from sdpatch.planner import fit, parse_budget, plan_lines
 from sdpatch.progress import Progress
@@ -541,7 +542,8 @@ def check_setup(*, model: str, backend: str, device: str, dtype: str, allow_pick
         if not ok:
             raise InputError(f"backend {backend!r} cannot run on {torch_device}: {why}")
     source = resolve_model(model, allow_pickle=allow_pickle)
-    return Setup(source, backend, torch_device, torch_dtype, [dtype_note] if dtype_note else [])
+    notes = [n for n in (dtype_note, tokenizer_note(model)) if n]
+    return Setup(source, backend, torch_device, torch_dtype, notes)
 
 
 def apply_backend(pipe: Any, backend: str) -> None:

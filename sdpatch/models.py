@@ -9,11 +9,15 @@ builds or loads it.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import importlib.util
 import json
 import logging
 import os
 import re
+import shutil
 import socket
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -188,9 +192,10 @@ def build_preset(name: str, *, device: torch.device | str = "cpu", dtype: torch.
         components = {key: _component(name, key).eval().requires_grad_(False) for key in modules}
     # The scheduler stays outside the device context: its tables belong on the CPU.
     components["scheduler"] = _component(name, "scheduler")
-    tokenizer = _local_tokenizer()
-    if name == "sdxl":
-        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer, **components)
+    tokenizer = preset_tokenizer(name)
+    if name == "sdxl":  # the second, OpenCLIP's, pads with "!" (id 0), as SDXL's own does
+        tokenizer_2 = preset_tokenizer(name, pad_token="!")
+        return StableDiffusionXLPipeline(tokenizer=tokenizer, tokenizer_2=tokenizer_2, **components)
     return StableDiffusionPipeline(
         tokenizer=tokenizer, safety_checker=None, feature_extractor=None, requires_safety_checker=False, **components
     )
@@ -217,10 +222,64 @@ def _component(preset: str, component: str) -> Any:
     return cls(cls.config_class(**cfg))
 
 
-def _local_tokenizer() -> Any:
+def preset_tokenizer(name: str, **kwargs: Any) -> Any:
+    """The tokenizer of a preset: CLIP's own BPE vocabulary for the full-size ones where it is
+    installed (:func:`clip_bpe_file`), else the stand-in of ``configs/tokenizer`` (see
+    :func:`tokenizer_note`). ``kwargs`` go to ``CLIPTokenizer.from_pretrained``."""
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer.from_pretrained(str(tokenizer_dir()))
+    bpe = clip_bpe_file() if name != "tiny" else None
+    if bpe is None:
+        return CLIPTokenizer.from_pretrained(str(tokenizer_dir()), **kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        _write_clip_tokenizer(bpe, Path(folder))
+        return CLIPTokenizer.from_pretrained(folder, **kwargs)
+
+
+# CLIP's vocabulary: its 256 byte symbols, each also ending a word, 48894 merges, 2 special tokens.
+CLIP_MERGES = 49408 - 2 * 256 - 2
+
+
+def clip_bpe_file() -> Path | None:
+    """CLIP's BPE merges (``bpe_simple_vocab_16e6.txt.gz``) as the open-clip-torch package ships
+    them, found without importing it (that would import torchvision); None if not installed."""
+    spec = importlib.util.find_spec("open_clip")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "bpe_simple_vocab_16e6.txt.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def tokenizer_note(model: str) -> str | None:
+    """A line for the report of a full-size preset whose prompts do not tokenize as CLIP's."""
+    if model not in PRESETS or model == "tiny" or clip_bpe_file() is not None:
+        return None
+    return (
+        f"the {model} preset tokenizes with sdpatch's 533-entry stand-in vocabulary, not CLIP's: its token "
+        "counts and where a long prompt is cut differ from the real model's "
+        "(pip install --no-deps open-clip-torch gives it CLIP's)"
+    )
+
+
+def _byte_symbols() -> list[str]:
+    """Byte-level BPE's symbols for the 256 bytes, in CLIP's vocabulary order: the bytes that are
+    printable Latin-1 characters as themselves, then each other byte as a character from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def _write_clip_tokenizer(bpe: Path, folder: Path) -> None:
+    """Write CLIP's vocab.json, merges.txt and tokenizer config into ``folder``, from its merges."""
+    lines = gzip.decompress(bpe.read_bytes()).decode("utf-8").split("\n")
+    merges = lines[1 : 1 + CLIP_MERGES]  # the first line is a version header
+    symbols = _byte_symbols()
+    tokens = [*symbols, *(s + "</w>" for s in symbols), *(m.replace(" ", "") for m in merges)]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}), encoding="utf-8")
+    (folder / "merges.txt").write_text("\n".join(["#version: 0.2", *merges]) + "\n", encoding="utf-8")
+    shutil.copy(tokenizer_dir() / "tokenizer_config.json", folder / "tokenizer_config.json")
 
 
 @contextlib.contextmanager

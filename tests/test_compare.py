@@ -214,7 +214,7 @@ def test_each_image_carries_its_cell_record(full_run):
     assert image.size == (128, 128)
     assert (image.text["backend"], image.text["size"], image.text["model"]) == ("sdpa", "128x128", "tiny")
     record = json.loads(image.text["sdpatch"])
-    assert record["backend"] == "sdpa" and record["psnr_db"] is not None
+    assert record["backend"] == "sdpa" and record["max_abs_diff"] is not None
 
 
 # -- switching backends ----------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_another_error_is_recorded_and_the_exit_code_says_so(tmp_path, monkeypat
     out = tmp_path / "err"
     result = invoke("compare", *FAST, "--sizes", "64", "--backends", "stock,sdpa,chunked", "--out", str(out))
     assert result.exit_code == 1
-    assert "1 cell(s) failed with an error other than out of memory" in result.stderr
+    assert "1 cell failed with an error other than out of memory" in result.stderr
     report = strict_json(out / "report.json")
     sdpa = report["cells"][1]
     assert (sdpa["status"], sdpa["failure"], sdpa["message"]) == ("error", "error in denoising", "kernel exploded")
