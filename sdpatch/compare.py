@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -1354,13 +1355,19 @@ def _malloc_trim() -> None:
         pass
 
 
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m sdpatch.compare DIR   (redraw DIR's report.md, memory.png and grid.png)")
+def _redraw_main(argv: list[str]) -> int:
+    """``python -m sdpatch.compare DIR``, with the exit codes of the ``sdpatch`` command."""
+    if len(argv) != 1:
+        print("usage: python -m sdpatch.compare DIR   (redraw DIR's report.md and figures)", file=sys.stderr)
+        return 2
     try:
-        done = redraw(Path(sys.argv[1]))
+        done = redraw(Path(argv[0]))
     except InputError as err:
-        sys.exit(f"sdpatch: error: {err}")
+        print(f"sdpatch: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {done.out_dir}: report.json, report.md, " + ", ".join(f for f in (done.chart, done.grid) if f))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_redraw_main(sys.argv[1:]))

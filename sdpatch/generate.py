@@ -378,8 +378,7 @@ def generate(
             try:
                 write_png(image, outputs[index], png_text(report, record))
             except OutputError as err:
-                kept = f"; the {plural(index, 'image')} before it are kept" if index else ""
-                raise OutputError(f"{err}{kept}") from err
+                raise OutputError(f"{err}{_kept(index)}") from err
             logger.info("wrote %s", record.path)
         images.append(image)
         report.images.append(record)
@@ -428,12 +427,19 @@ def read_prompt(tokenizer: Any, text: str, label: str) -> tuple[str, str | None]
     return kept, note
 
 
+def _kept(images: int) -> str:
+    """What a run that failed after ``images`` images leaves."""
+    if not images:
+        return ""
+    return f"; the {plural(images, 'image')} written before it {'is' if images == 1 else 'are'} kept"
+
+
 def host_oom_message(phase: str | None, err: BaseException, images_done: int) -> str:
     """One line for a run that ran out of host memory: the phase, and what it asked for."""
     asked = re.search(r"allocate (\d+) bytes", str(err))
     need = f": it asked for {format_bytes(int(asked.group(1)))} more" if asked else ""
     free = format_bytes(host_available_bytes())
-    kept = f"; the {plural(images_done, 'image')} before it are kept" if images_done else ""
+    kept = _kept(images_done)
     return (
         f"out of host memory in {PHASE_LABELS.get(phase or '', phase or 'setup')}{need} ({free} available now); "
         f"--vram-budget GIB plans memory levers (tiled VAE decode, attention and feed-forward chunking) "

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -53,6 +54,10 @@ _SINGLE_FILE_TYPES = {
     "xl_base": "StableDiffusionXLPipeline",
     "playground-v2-5": "StableDiffusionXLPipeline",
 }
+_MODEL_KINDS = (
+    f"use a preset ({', '.join(PRESETS)}), a local diffusers folder, a .safetensors file, "
+    "or a Hugging Face repo id (owner/name)"
+)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PROBE_TIMEOUT_S = 3.0
 
@@ -133,6 +138,8 @@ def resolve_model(model: str, *, allow_pickle: bool = False) -> ModelSource:
     if model in PRESETS:
         pipeline = "StableDiffusionXLPipeline" if model == "sdxl" else "StableDiffusionPipeline"
         return ModelSource(model, "preset", pipeline, model)
+    if not model.strip():  # Path("") is the current folder
+        raise InputError(f"--model is empty: {_MODEL_KINDS}")
     path = Path(model).expanduser()
     if path.is_dir():
         return ModelSource(model, "folder", _folder_pipeline_class(path), str(path))
@@ -142,10 +149,7 @@ def resolve_model(model: str, *, allow_pickle: bool = False) -> ModelSource:
         raise InputError(f"model file {model!r} is not a .safetensors or .ckpt checkpoint")
     if _REPO_ID.match(model) and not model.startswith((".", "/", "~")):
         return _resolve_hub(model)
-    raise InputError(
-        f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), a local diffusers folder, "
-        "a .safetensors file, or a Hugging Face repo id (owner/name)"
-    )
+    raise InputError(f"unknown model {model!r}: {_MODEL_KINDS}")
 
 
 def load_pipeline(source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> Any:
@@ -336,6 +340,14 @@ def _single_file_pipeline_class(path: Path, allow_pickle: bool) -> str:
             # Memory-map where the format allows it (zip-based checkpoints): only a few tensors are read.
             mmap = zipfile.is_zipfile(path)
             checkpoint = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's message advises weights_only=False, which --allow-pickle does not mean.
+            detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", str(exc), re.S)
+            raise InputError(
+                f"cannot read {path.name} as a checkpoint of tensors: torch.load(weights_only=True) refused it"
+                + (f" ({detail.group(1)})" if detail else "")
+                + "; it is damaged, or holds other Python objects, which sdpatch does not load"
+            ) from None
         except Exception as exc:  # noqa: BLE001 (any failure here means "not a checkpoint")
             raise InputError(f"cannot read {path.name} as a checkpoint: {first_line(exc)}") from None
         checkpoint = checkpoint.get("state_dict", checkpoint)

@@ -640,7 +640,9 @@ def timed(backend: str, steady: list[float], recheck: float | None = None) -> co
 
 TIMINGS = [
     pytest.param([timed("stock", [0.100, 0.104], 0.103), timed("naive", [0.20, 0.21])], [], id="steady"),
-    pytest.param([timed("stock", [0.100, 0.101], 0.1), timed("naive", [0.2])], ["naive: one timed step"], id="one-step"),
+    pytest.param(
+        [timed("stock", [0.100, 0.101], 0.1), timed("naive", [0.2])], ["naive: one timed step"], id="one-step"
+    ),
     pytest.param(
         [timed("stock", [0.100, 0.101], 0.1), timed("naive", [0.20, 0.30])],
         ["step times spread: naive ±20 %"],
