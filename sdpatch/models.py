@@ -345,7 +345,7 @@ def _single_file_pipeline_class(path: Path, allow_pickle: bool) -> str:
             detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", str(exc), re.S)
             raise InputError(
                 f"cannot read {path.name} as a checkpoint of tensors: torch.load(weights_only=True) refused it"
-                + (f" ({detail.group(1)})" if detail else "")
+                + (f" ({detail.group(1).split('. ')[0]})" if detail else "")
                 + "; it is damaged, or holds other Python objects, which sdpatch does not load"
             ) from None
         except Exception as exc:  # noqa: BLE001 (any failure here means "not a checkpoint")
