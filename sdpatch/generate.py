@@ -421,7 +421,7 @@ def read_prompt(tokenizer: Any, text: str, label: str) -> tuple[str, str | None]
     dropped = tokenizer.decode(ids[limit : limit + 8]).strip()
     note = (
         f"{label} is {len(ids)} tokens long and the text encoder reads only the first {limit}: the rest "
-        f"(from {dropped + '…'!r}) is ignored; the report and images keep the part it reads "
+        f"(from {dropped + '…'!r}) is ignored; the images' metadata keep only the part it reads "
         f"({len(kept)} of {len(text)} characters)"
     )
     return kept, note

@@ -7,6 +7,7 @@ with hooks on the pipeline's modules, keyed on which attention processor is in p
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -681,3 +682,19 @@ def test_the_cli_run_warms_up_and_says_its_two_step_timings_cannot_rank(full_run
     assert [c["rankable"] for c in report["timing_check"]] == [False, False]  # --steps 2: one timed step each
     assert "timings at 64² are too noisy to rank the backends" in full_run.result.stdout
     assert "one untimed step of stock ran before the first cell" in (full_run.out / "report.md").read_text()
+
+
+def test_compare_shows_one_bar_over_its_cells_on_a_terminal(tmp_path, monkeypatch):
+    from sdpatch.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    settings = CompareSettings(sizes=(64,), backends=("stock", "sdpa"), steps=1)
+    with Progress() as progress:
+        compare_lib.run(settings, device="cpu", out=tmp_path / "o", progress=progress)
+    shown = sys.stderr.getvalue()
+    for label in ("building tiny on cpu", "warm-up: stock at 64²", "cells: 0/2", "64² sdpa: 1/2", "64² stock again"):
+        assert label in shown
