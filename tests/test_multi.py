@@ -196,11 +196,12 @@ def test_two_processes_make_the_same_images_as_one(tmp_path, launch):
 
 
 def test_a_failing_process_ends_the_launch_with_an_error_and_keeps_finished_images(tmp_path, launch):
-    """Process 1 has prompts 3-5. Prompt 4 is a valid prompt, but its image carries it in its
-    metadata, and the launch runs under a file-size limit (as a quota would impose) that the
-    PNG exceeds: the write fails mid-run in process 1 only."""
+    """Process 1 has prompts 3-5. Prompt 4 is a valid prompt, but its image carries the part of it
+    that the text encoder reads in its metadata, and the launch runs under a file-size limit (as a
+    quota would impose) that the PNG exceeds: the write fails mid-run in process 1 only."""
     limit = 256 * 1024
-    huge = " ".join(f"w{i % 50}" for i in range(40_000))  # about 150 KB, written twice into the PNG
+    # One token a word, 4 KB of spaces between words: the 75 tokens read span 300 KB.
+    huge = (" " * 4000).join(["a"] * 80)
     prompts = write_prompts(tmp_path / "prompts.txt", [*PROMPTS[:4], huge, PROMPTS[4]])
     out = tmp_path / "out"
     proc = launch(
@@ -225,8 +226,9 @@ def test_a_failing_process_ends_the_launch_with_an_error_and_keeps_finished_imag
     statuses = [(p["rank"], p["status"], p["image_count"]) for p in report["processes"]]
     assert statuses == [(0, "done", 3), (1, "failed", 1)]
     [failed] = report["failed"]
-    assert failed["rank"] == 1 and failed["error"] == "prompt 4 (line 5): OSError: [Errno 27] File too large"
-    assert "failed: prompt 4 (line 5): OSError" in stdout
+    assert failed["rank"] == 1
+    assert failed["error"] == f"prompt 4 (line 5): OutputError: cannot write {out / 'p0004-s4.png'}: File too large"
+    assert "failed: prompt 4 (line 5): OutputError" in stdout
 
 
 def test_a_killed_process_does_not_leave_the_launch_hanging(tmp_path, launch):
