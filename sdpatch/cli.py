@@ -364,8 +364,8 @@ WarmupOpt = Annotated[
     bool,
     typer.Option(
         "--warmup/--no-warmup",
-        help="Run each cell once with one step before measuring it, so that one-time costs (Triton "
-        "autotuning, cuDNN plans) stay out of the figures.",
+        help="Run one step of the reference before the first cell, and each cell once with one step before "
+        "measuring it, so that one-time costs (Triton autotuning, cuDNN plans) stay out of the figures.",
     ),
 ]
 CompareVramBudgetOpt = Annotated[
