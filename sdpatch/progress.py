@@ -9,10 +9,12 @@ test it draws nothing, and :meth:`Progress.write` is a plain line on stdout.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 _STEPS = "{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}, {rate_fmt}"
 _UNTIMED = "{desc}… {elapsed}"
+TICK_S = 0.5  # how often the line is redrawn between updates: a phase without steps shows its time
 
 
 class Progress:
@@ -26,6 +28,7 @@ class Progress:
         self.enabled = enabled and sys.stderr.isatty()
         self.context: dict[str, str] = {}
         self._bar: Any = None
+        self._stop = threading.Event()
 
     @classmethod
     def of(cls, progress: Progress | bool) -> Progress:
@@ -41,6 +44,10 @@ class Progress:
             from tqdm import tqdm  # diffusers and huggingface_hub depend on it
 
             self._bar = tqdm(desc=desc, total=total, file=sys.stderr, dynamic_ncols=True, leave=False, bar_format=fmt)
+            self._stop = threading.Event()
+            ticker = threading.Thread(target=self._tick, args=(self._bar, self._stop), name="sdpatch-progress")
+            ticker.daemon = True
+            ticker.start()
         else:
             self._bar.bar_format = fmt
             self._bar.set_description_str(desc, refresh=False)
@@ -69,8 +76,15 @@ class Progress:
     def close(self) -> None:
         """Take the progress line off the terminal."""
         if self._bar is not None:
+            self._stop.set()
             self._bar.close()
             self._bar = None
+
+    @staticmethod
+    def _tick(bar: Any, stop: threading.Event) -> None:
+        # A model's build or a VAE decode can take half a minute with no update to draw.
+        while not stop.wait(TICK_S):
+            bar.refresh()
 
     def __enter__(self) -> Progress:
         return self

@@ -382,11 +382,16 @@ def _disk_full_after(monkeypatch, images: int) -> None:
     monkeypatch.setattr(Image.Image, "save", save)
 
 
-@pytest.mark.parametrize(
-    "num_images, written, kept",
-    [pytest.param(1, 0, "", id="one-image"), pytest.param(3, 1, "; the 1 image written before it is kept", id="third")],
-)
-def test_a_full_disk_at_the_end_is_one_line_exit_2_and_leaves_no_partial_file(tmp_path, monkeypatch, num_images, written, kept):
+FULL_DISK = [
+    pytest.param(1, 0, "", id="one-image"),
+    pytest.param(3, 1, "; the 1 image written before it is kept", id="second-of-three"),
+]
+
+
+@pytest.mark.parametrize("num_images, written, kept", FULL_DISK)
+def test_a_full_disk_at_the_end_is_one_line_exit_2_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, num_images, written, kept
+):
     _disk_full_after(monkeypatch, written)
     out, report = tmp_path / "out", tmp_path / "r.json"
     args = ["--num-images", str(num_images), "-o", str(out), "--report-json", str(report)]
@@ -420,7 +425,9 @@ def test_running_out_of_host_memory_names_the_phase_and_the_need(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("best_effort, code", [pytest.param([], 3, id="missed"), pytest.param(["--best-effort"], 0, id="best-effort")])
+@pytest.mark.parametrize(
+    "best_effort, code", [pytest.param([], 3, id="missed"), pytest.param(["--best-effort"], 0, id="best-effort")]
+)
 def test_a_run_that_misses_its_budget_exits_3_unless_best_effort(tmp_path, monkeypatch, best_effort, code):
     # The plan fits 1000 GiB easily; the measured peak is made to exceed it.
     monkeypatch.setattr("sdpatch.memory.host_peak_bytes", lambda: 2000 * 1024**3)
@@ -490,8 +497,7 @@ def test_report_json_may_go_into_the_new_output_folder(tmp_path):
 
 
 def test_redrawing_a_missing_report_exits_2(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "sdpatch.compare", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, "-m", "sdpatch.compare", str(tmp_path / "nothing")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.startswith("sdpatch: error: cannot read ") and result.stderr.count("\n") == 1
