@@ -368,7 +368,8 @@ def generate(
             )
         except Exception as err:
             if meter.kind == "host" and is_oom(err):
-                raise RunError(host_oom_message(meter.current, err, index)) from err
+                where = "in " + PHASE_LABELS.get(meter.current or "", meter.current or "setup")
+                raise RunError(host_oom_message(where, err, index)) from err
             raise
         image = batch[0]
         record = ImageRecord(index, seed, None, meter.phases)
@@ -434,14 +435,14 @@ def _kept(images: int) -> str:
     return f"; the {plural(images, 'image')} written before it {'is' if images == 1 else 'are'} kept"
 
 
-def host_oom_message(phase: str | None, err: BaseException, images_done: int) -> str:
-    """One line for a run that ran out of host memory: the phase, and what it asked for."""
+def host_oom_message(where: str, err: BaseException, images_done: int) -> str:
+    """One line for a run that ran out of host memory ``where`` (a phase), and what it asked for."""
     asked = re.search(r"allocate (\d+) bytes", str(err))
     need = f": it asked for {format_bytes(int(asked.group(1)))} more" if asked else ""
     free = format_bytes(host_available_bytes())
     kept = _kept(images_done)
     return (
-        f"out of host memory in {PHASE_LABELS.get(phase or '', phase or 'setup')}{need} ({free} available now); "
+        f"out of host memory {where}{need} ({free} available now); "
         f"--vram-budget GIB plans memory levers (tiled VAE decode, attention and feed-forward chunking) "
         f"to fit a budget{kept}"
     )
@@ -485,7 +486,13 @@ def run(
             raise InputError("--report-json must not be one of the image paths")
 
     progress = Progress.of(progress)
-    pipe = setup.load(progress)
+    try:
+        pipe = setup.load(progress)
+    except Exception as err:
+        if setup.device.type != "cuda" and is_oom(err):
+            verb = "building" if setup.source.kind == "preset" else "loading"
+            raise RunError(host_oom_message(f"while {verb} {model}", err, 0)) from err
+        raise
     plan = None
     if vram_budget is not None:
         size = default_size(pipe)

@@ -407,20 +407,26 @@ def test_a_full_disk_at_the_end_is_one_line_exit_2_and_leaves_no_partial_file(
     assert data["complete"] is False and len(data["images"]) == written
 
 
-def test_running_out_of_host_memory_names_the_phase_and_the_need(tmp_path, monkeypatch):
-    from diffusers import AutoencoderKL
+def _host_oom(*args, **kwargs):
+    raise RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 17179869184 bytes."
+    )
 
-    def decode(self, *args, **kwargs):
-        raise RuntimeError(
-            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
-            "you tried to allocate 17179869184 bytes."
-        )
 
-    monkeypatch.setattr(AutoencoderKL, "decode", decode)
+HOST_OOM = [
+    pytest.param("diffusers.AutoencoderKL.decode", "in VAE decode", id="vae-decode"),
+    pytest.param("sdpatch.generate.load_pipeline", "while building tiny", id="model-build"),
+]
+
+
+@pytest.mark.parametrize("target, where", HOST_OOM)
+def test_running_out_of_host_memory_names_the_phase_and_the_need(tmp_path, monkeypatch, target, where):
+    monkeypatch.setattr(target, _host_oom)
     result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"))
     assert result.exit_code == 1, result.output
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sdpatch: error: out of host memory in VAE decode: ")
+    assert len(lines) == 1 and lines[0].startswith(f"sdpatch: error: out of host memory {where}: ")
     assert "it asked for 16.00 GiB more" in lines[0] and "--vram-budget" in lines[0]
     assert list(tmp_path.iterdir()) == []
 

@@ -10,6 +10,7 @@ three (success, a failing process, a killed process).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -247,6 +248,28 @@ def test_a_killed_process_does_not_leave_the_launch_hanging(tmp_path, launch):
     assert json.loads(partial.read_text())["status"] == "running"  # it never got to say so
     for name in pngs(out):
         Image.open(out / name).load()
+
+
+def test_a_full_disk_fails_the_prompt_it_hits_and_keeps_the_images_before_it(tmp_path, monkeypatch):
+    real, saved = Image.Image.save, []
+
+    def save(self, fp, *args, **kwargs):  # the second PNG finds the disk full
+        if kwargs.get("format") == "PNG" and len(saved) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        saved.append(fp)
+        return real(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS[:3])
+    out = tmp_path / "out"
+    result = invoke("generate", "--prompts-file", str(prompts), *FAST, "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert pngs(out) == ["p0000-s0.png"] and list(out.glob(".*.tmp")) == []
+    assert "3 prompts × 1 image · 1 process" in result.stdout
+    [failed] = json.loads((out / "sdpatch-report.json").read_text())["failed"]
+    assert failed["error"] == (
+        f"prompt 1 (line 2): OutputError: cannot write {out / 'p0001-s1.png'}: No space left on device"
+    )
 
 
 def test_one_prompt_under_a_launch_is_refused(tmp_path, monkeypatch):
