@@ -77,11 +77,11 @@ class CompareSettings:
     """What a comparison run measures.
 
     ``sizes`` None: the model's native size, 2× and 4×. ``backends`` None: every backend of
-    :data:`DEFAULT_BACKENDS` that can run on the device. The reference backend is ``stock`` when
+    :data:`sdpatch.compare.DEFAULT_BACKENDS` that can run on the device. The reference backend is ``stock`` when
     it is compared, else the first backend. ``batch`` images per pipeline call (the UNet batch
     is twice that with classifier-free guidance). ``vram_cap_gib`` emulates a smaller GPU.
-    ``warmup`` runs each cell once with one step, unmeasured, before measuring it, so that
-    one-time costs (Triton autotuning's scratch buffers, cuDNN plans, cuBLAS workspaces) stay
+    ``warmup`` runs one step of the reference before the first cell, and each cell once with one
+    step, unmeasured, before measuring it, so that one-time costs (Triton autotuning's scratch buffers, cuDNN plans, cuBLAS workspaces) stay
     out of the figures. ``vram_budget`` (GiB or ``auto``) adds the ``planned`` column: sdpatch
     auto with the levers :func:`sdpatch.planner.fit` picks for each size.
     """
@@ -114,7 +114,7 @@ class CompareSettings:
         if self.max_size_limit < SIZE_STEP or self.max_size_limit % SIZE_STEP:
             raise InputError(f"--max-size-limit must be a positive multiple of {SIZE_STEP}, got {self.max_size_limit}")
         if self.vram_budget is not None:
-            from sdpatch.planner import parse_budget
+            from sdpatch.planner import parse_budget  # the planner imports torch: only when needed
 
             parse_budget(self.vram_budget)
 
