@@ -1,7 +1,9 @@
 """The ``sdpatch`` command line: ``generate``, ``compare`` and ``info``.
 
-Commands parse their options, call the library (:mod:`sdpatch.generate`) and format what it
-returns. Option types are defined once below, so that later commands share them.
+Commands parse their options, call the library and format what it returns. Option types are
+defined once below, so that later commands share them. This module imports neither torch nor
+diffusers: a command checks its arguments first and imports the library only to run, so that
+``--help``, a typo or a bad value is answered at once.
 """
 
 from __future__ import annotations
@@ -15,17 +17,28 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from sdpatch.compare import CompareSettings, parse_backends, parse_sizes
-from sdpatch.compare import run as run_compare
-from sdpatch.errors import InputError
-from sdpatch.generate import GenerationRequest, environment, run
-from sdpatch.planner import request_expandable_segments
-from sdpatch.multi import refuse_launch_without_prompts_file, run_prompts
+from sdpatch import __version__
+from sdpatch.errors import InputError, RunError
+from sdpatch.progress import Progress
+from sdpatch.settings import CompareSettings, GenerationRequest, parse_backends, parse_sizes
 
 try:  # typer >= 0.26 vendors click; older typers use click itself
     from typer._click import exceptions as click_exceptions
 except ImportError:
     from click import exceptions as click_exceptions
+
+# What each exit code means; the errors the CLI turns into one line on stderr, and their codes.
+EXIT_CODES = {
+    0: "done",
+    1: "the run failed (out of memory; a failed cell or process)",
+    2: "bad input, or an output that cannot be written",
+    3: "--vram-budget missed: the measured peak was over the budget (without --best-effort)",
+    130: "interrupted",
+}
+ERROR_CODES: tuple[tuple[type[Exception], int], ...] = ((InputError, 2), (RunError, 1))
+BUDGET_MISSED = 3
+# \b keeps click from rewrapping the lines.
+_EXIT_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
 
 _TINY = (
     "The default model, tiny, is embedded and runs offline, but its weights are random: "
@@ -102,14 +115,16 @@ VramBudgetOpt = Annotated[
         "--vram-budget",
         help="GiB of GPU memory (PyTorch's peak reserved; host memory on the CPU) the run must fit in, or auto "
         "(the device's free memory): memory levers are chosen, cheapest first, until the estimate fits. "
-        "A budget that cannot be met is an error before the run.",
+        "A budget that cannot be met is an error before the run; a run whose measured peak misses it "
+        "exits with code 3.",
         show_default=False,
     ),
 ]
 BestEffortOpt = Annotated[
     bool,
     typer.Option(
-        "--best-effort", help="With --vram-budget: run the best plan even when it cannot fit, and report the miss."
+        "--best-effort",
+        help="With --vram-budget: run the best plan even when it cannot fit, and report a miss (exit code 0).",
     ),
 ]
 CudaGraphsOpt = Annotated[
@@ -134,7 +149,8 @@ PromptsFileOpt = Annotated[
     typer.Option(
         "--prompts-file",
         help="Instead of PROMPT: a UTF-8 file of prompts, one a line (blank lines and lines starting with # "
-        "are skipped). Images go into the --output folder as p<index>-s<seed>.png, the report into "
+        "are skipped). Images go into the --output folder as p<index>-s<seed>.png (the prompt's index "
+        "zero-padded to 4 digits: p0000-s0.png), the report into "
         "sdpatch-report.json there (or --report-json). Started with `accelerate launch -m sdpatch generate "
         "...`, the processes share the prompts.",
     ),
@@ -157,9 +173,9 @@ class _OneLineErrors(TyperGroup):
         except click_exceptions.UsageError as err:
             typer.echo(f"sdpatch: error: {err.format_message()}", err=True)
             code = 2
-        except InputError as err:
+        except tuple(error for error, _ in ERROR_CODES) as err:
             typer.echo(f"sdpatch: error: {err}", err=True)
-            code = 2
+            code = next(code for error, code in ERROR_CODES if isinstance(err, error))
         except (KeyboardInterrupt, typer.Abort):
             code = 130
         if code == 130:  # newer typers turn Ctrl-C into a silent exit code 130 themselves
@@ -173,14 +189,50 @@ class _OneLineErrors(TyperGroup):
 app = typer.Typer(
     cls=_OneLineErrors,
     help="Flat-memory attention for diffusers' Stable Diffusion, and what a generation costs in GPU memory.",
+    epilog=_EXIT_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: typer's rich panels label every flag <bool>, as if it took a value.
+    rich_markup_mode=None,
 )
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"sdpatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+def _library() -> None:
+    """Quiet the libraries sdpatch runs on, before a command first imports them.
+
+    Deprecation notices are for the code that calls diffusers, not for the person running sdpatch;
+    transformers warns about optional image-processor extras that text-to-image never uses, and
+    diffusers about its own fallbacks (the single-file loader's Hub download), which sdpatch turns
+    into one-line errors itself.
+    """
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    diffusers_logging.set_verbosity_error()
+
+
 @app.command(
-    help=f"Generate images from PROMPT (or --prompts-file) and report time and peak memory per phase. {_TINY}"
+    help=f"Generate images from PROMPT (or --prompts-file) and report time and peak memory per phase. {_TINY}",
+    epilog=_EXIT_HELP,
 )
 def generate(
     prompt: Annotated[
@@ -211,11 +263,6 @@ def generate(
         raise InputError("give a PROMPT or --prompts-file FILE" + (", not both" if prompt is not None else ""))
     if prompts_file is not None and (vram_budget is not None or best_effort):
         raise InputError("--vram-budget and --best-effort do not work with --prompts-file yet")
-    if vram_budget is not None:
-        # PyTorch reads its allocator settings once, when CUDA starts: this is before anything touches it.
-        note = request_expandable_segments()
-        if note:
-            logging.getLogger(__name__).warning("expandable segments stay off: %s", note)
     request = GenerationRequest(
         prompt=prompt or "",
         negative_prompt=negative_prompt,
@@ -226,36 +273,56 @@ def generate(
         seed=seed,
         num_images=num_images,
     )
-    options: dict[str, Any] = dict(
-        model=model,
-        backend=backend,
-        device=device,
-        dtype=dtype,
-        output=output,
-        overwrite=overwrite,
-        report_json=report_json,
-        allow_pickle=allow_pickle,
-        on_image=lambda record: typer.echo(f"saved {record.path}"),
-        cuda_graphs=cuda_graphs,
-        compile=compile,
-    )
+    request.validate()
+    _library()
+    from sdpatch.generate import run
+    from sdpatch.multi import refuse_launch_without_prompts_file, run_prompts
+    from sdpatch.planner import request_expandable_segments
+
+    if vram_budget is not None:
+        # PyTorch reads its allocator settings once, when CUDA starts: this is before anything touches it.
+        note = request_expandable_segments()
+        if note:
+            logging.getLogger(__name__).warning("expandable segments stay off: %s", note)
+    with Progress() as progress:
+        options: dict[str, Any] = dict(
+            model=model,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            output=output,
+            overwrite=overwrite,
+            report_json=report_json,
+            allow_pickle=allow_pickle,
+            progress=progress,
+            on_image=lambda record: progress.write(f"saved {record.path}"),
+            cuda_graphs=cuda_graphs,
+            compile=compile,
+        )
+        if prompts_file is not None:
+            multi = run_prompts(request, prompts_file, **options)
+        else:
+            refuse_launch_without_prompts_file()
+            result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort)
     if prompts_file is not None:
-        multi = run_prompts(request, prompts_file, **options)
         if multi.report is not None:  # the main process
             typer.echo(multi.report.format_table())
             typer.echo(f"report: {multi.report_path}")
         raise typer.Exit(multi.exit_code)
-    refuse_launch_without_prompts_file()
-    result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort)
     typer.echo(result.report.format_table())
     if report_json is not None:
         typer.echo(f"report: {report_json}")
+    missed = result.report.budget_miss
+    if missed and not best_effort:
+        typer.echo(f"sdpatch: error: {missed} (pass --best-effort to accept a miss)", err=True)
+        raise typer.Exit(BUDGET_MISSED)
 
 
 @app.command()
 def info() -> None:
     """Show versions, GPUs, and which attention backends can run here (and why not)."""
-    from sdpatch import __version__
+    _library()
+    from sdpatch.generate import environment
     from sdpatch.memory import format_bytes
 
     env = environment()
@@ -317,8 +384,8 @@ WarmupOpt = Annotated[
     bool,
     typer.Option(
         "--warmup/--no-warmup",
-        help="Run each cell once with one step before measuring it, so that one-time costs (Triton "
-        "autotuning, cuDNN plans) stay out of the figures.",
+        help="Run one step of the reference before the first cell, and each cell once with one step before "
+        "measuring it, so that one-time costs (Triton autotuning, cuDNN plans) stay out of the figures.",
     ),
 ]
 CompareVramBudgetOpt = Annotated[
@@ -343,7 +410,8 @@ OutDirOpt = Annotated[
 @app.command(
     help="Compare attention backends across image sizes: peak memory per phase, seconds per step and "
     "PSNR against stock, in report.json, report.md, a memory chart and an image grid. Out of memory "
-    f"is a result, not a failure. {_TINY}"
+    f"is a result, not a failure. {_TINY}",
+    epilog=_EXIT_HELP,
 )
 def compare(
     model: ModelOpt = "tiny",
@@ -381,43 +449,40 @@ def compare(
         warmup=warmup,
         vram_budget=vram_budget,
     )
-    report = run_compare(
-        settings,
-        model=model,
-        device=device,
-        dtype=dtype,
-        out=out,
-        overwrite=overwrite,
-        allow_pickle=allow_pickle,
-        on_cell=lambda cell: typer.echo(("max-size probe " if cell.kind == "probe" else "") + cell.summary()),
-    )
+    settings.validate()
+    _library()
+    from sdpatch.compare import run as run_compare
+    from sdpatch.memory import plural
+
+    with Progress() as progress:
+        report = run_compare(
+            settings,
+            model=model,
+            device=device,
+            dtype=dtype,
+            out=out,
+            overwrite=overwrite,
+            allow_pickle=allow_pickle,
+            progress=progress,
+            on_cell=lambda cell: progress.write(("max-size probe " if cell.kind == "probe" else "") + cell.summary()),
+        )
     typer.echo("")
     typer.echo(report.main_table())
     for backend, found in report.max_sizes.items():
         typer.echo(f"largest size, {backend}: " + (f"{found.size}²" if found.size else "none"))
     typer.echo(report.baseline_check()["message"])
-    for note in report.notes:
+    for note in [*report.timing_notes(), *report.notes]:
         typer.echo(f"note: {note}")
     files = ", ".join(f for f in ("report.json", "report.md", report.chart, report.grid) if f)
     typer.echo(f"wrote {report.out_dir}: {files}, images/")
     errors = sum(c.status == "error" for c in report.all_cells)
     if errors:
-        typer.echo(f"sdpatch: {errors} cell(s) failed with an error other than out of memory: see report.md", err=True)
+        failed = plural(errors, "cell")
+        typer.echo(f"sdpatch: {failed} failed with an error other than out of memory: see report.md", err=True)
         raise typer.Exit(1)
 
 
 def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Deprecation notices are for the code that calls diffusers, not for the person running sdpatch.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    # transformers warns about optional image-processor extras that text-to-image never uses;
-    # diffusers about its own fallbacks (the single-file loader's Hub download), which sdpatch
-    # turns into one-line errors itself.
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()
-    diffusers_logging.set_verbosity_error()
     app()

@@ -27,9 +27,10 @@ import json
 import logging
 import math
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +42,6 @@ from sdpatch.attention import backend_status
 from sdpatch.errors import InputError, first_line
 from sdpatch.generate import (
     PHASE_LABELS,
-    GenerationRequest,
     atomic_write,
     check_folder,
     apply_backend,
@@ -51,17 +51,25 @@ from sdpatch.generate import (
     write_json,
     write_png,
 )
-from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, total, weights_bytes
-from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model
-from sdpatch.planner import apply_plan, fit, parse_budget, plan_lines, remove_plan, single_lever
+from sdpatch.memory import MemoryMeter, PhaseStats, format_bytes, is_oom, plural, total, weights_bytes
+from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model, tokenizer_note
+from sdpatch.planner import apply_plan, fit, plan_lines, remove_plan, single_lever
+from sdpatch.progress import Progress
+from sdpatch.settings import (  # noqa: F401 (re-exported: the compare API)
+    COMPARE_BACKENDS,
+    DEFAULT_PROMPT,
+    SIZE_STEP,
+    CompareSettings,
+    check_backends,
+    check_sizes,
+    parse_backends,
+    parse_sizes,
+)
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-SIZE_STEP = 64  # --max-size searches square sizes in steps of 64 px
-DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
-COMPARE_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked", "auto")
 # What a run compares when no backends are named: each one that can run here. ``auto`` is left
 # out: it is triton or chunked, layer by layer.
 DEFAULT_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked")
@@ -83,6 +91,10 @@ BACKEND_DESCRIPTIONS = {
 # with the C allocator's free lists.
 BASELINE_TOLERANCE = {"cuda": 16 * 1024**2, "host": 64 * 1024**2}
 
+# Step times that spread by more than this (their range over their mean), within a cell or between
+# a size's two runs of the reference, rank no backend at that size: CPU runs share their cores.
+RANK_NOISE = 0.10
+
 _CHART_NOTE = "chart not drawn:"
 PLANNED = "planned"  # the --vram-budget column
 
@@ -95,112 +107,6 @@ SD15_REFERENCE = {
 
 PHASE_FIELDS = ("name", "seconds", "peak_allocated", "peak_reserved", "peak_host", "step_seconds")
 
-_CUDA_OOM = torch.cuda.OutOfMemoryError  # torch.OutOfMemoryError from 2.5 on is the same class
-_OOM_ERRORS: tuple[type[BaseException], ...] = (_CUDA_OOM, MemoryError)
-
-
-@dataclass(frozen=True)
-class CompareSettings:
-    """What a comparison run measures.
-
-    ``sizes`` None: the model's native size, 2× and 4×. ``backends`` None: every backend of
-    :data:`DEFAULT_BACKENDS` that can run on the device. The reference backend is ``stock`` when
-    it is compared, else the first backend. ``batch`` images per pipeline call (the UNet batch
-    is twice that with classifier-free guidance). ``vram_cap_gib`` emulates a smaller GPU.
-    ``warmup`` runs each cell once with one step, unmeasured, before measuring it, so that
-    one-time costs (Triton autotuning's scratch buffers, cuDNN plans, cuBLAS workspaces) stay
-    out of the figures. ``vram_budget`` (GiB or ``auto``) adds the ``planned`` column: sdpatch
-    auto with the levers :func:`sdpatch.planner.fit` picks for each size.
-    """
-
-    sizes: tuple[int, ...] | None = None
-    backends: tuple[str, ...] | None = None
-    prompt: str = DEFAULT_PROMPT
-    steps: int = 3
-    guidance_scale: float = 7.5
-    seed: int = 0
-    batch: int = 1
-    vram_cap_gib: float | None = None
-    max_size: bool = False
-    max_size_limit: int = 8192
-    warmup: bool = True
-    vram_budget: str | None = None
-
-    def validate(self) -> None:
-        """Raise InputError for settings no run can use (device-independent checks)."""
-        if self.sizes is not None:
-            check_sizes(self.sizes)
-        if self.backends is not None:
-            check_backends(self.backends)
-        # The shared rules for steps, guidance and seed.
-        GenerationRequest(self.prompt, steps=self.steps, guidance_scale=self.guidance_scale, seed=self.seed).validate()
-        if self.batch < 1:
-            raise InputError(f"--batch must be at least 1, got {self.batch}")
-        if self.vram_cap_gib is not None and not self.vram_cap_gib > 0:
-            raise InputError(f"--vram-cap must be a positive number of GiB, got {self.vram_cap_gib}")
-        if self.max_size_limit < SIZE_STEP or self.max_size_limit % SIZE_STEP:
-            raise InputError(f"--max-size-limit must be a positive multiple of {SIZE_STEP}, got {self.max_size_limit}")
-        if self.vram_budget is not None:
-            parse_budget(self.vram_budget, "--vram-budget")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sizes": list(self.sizes) if self.sizes else None,
-            "backends": list(self.backends) if self.backends else None,
-            "prompt": self.prompt,
-            "steps": self.steps,
-            "guidance_scale": self.guidance_scale,
-            "seed": self.seed,
-            "batch": self.batch,
-            "vram_cap_gib": self.vram_cap_gib,
-            "max_size": self.max_size,
-            "max_size_limit": self.max_size_limit if self.max_size else None,
-            "warmup": self.warmup,
-            "vram_budget": self.vram_budget,
-        }
-
-
-# -- inputs ------------------------------------------------------------------------------------
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"512,1024"`` → (512, 1024), checked by :func:`check_sizes`."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        raise InputError(f"--sizes must be comma-separated whole numbers of pixels, got {text!r}") from None
-    check_sizes(sizes)
-    return sizes
-
-
-def check_sizes(sizes: Sequence[int]) -> None:
-    """Raise InputError unless ``sizes`` are distinct positive multiples of 8 (square image sides)."""
-    if not sizes:
-        raise InputError("--sizes needs at least one size")
-    for size in sizes:
-        if size <= 0 or size % 8:
-            raise InputError(f"--sizes: each size must be a positive multiple of 8, got {size}")
-    if len(set(sizes)) != len(sizes):
-        raise InputError(f"--sizes: a size is given twice in {','.join(map(str, sizes))}")
-
-
-def parse_backends(text: str) -> tuple[str, ...]:
-    """``"stock,naive"`` → ("stock", "naive"), checked by :func:`check_backends`."""
-    backends = tuple(p.strip().lower() for p in text.split(","))
-    check_backends(backends)
-    return backends
-
-
-def check_backends(backends: Sequence[str]) -> None:
-    """Raise InputError for an empty list, an unknown backend or one named twice."""
-    if not backends or not all(backends):
-        raise InputError(f"--backends needs comma-separated backend names: {', '.join(COMPARE_BACKENDS)}")
-    for name in backends:
-        if name not in COMPARE_BACKENDS:
-            raise InputError(f"unknown backend {name!r}: use some of {', '.join(COMPARE_BACKENDS)}")
-    if len(set(backends)) != len(backends):
-        raise InputError("--backends: a backend is named twice")
 
 
 def backend_availability(device: torch.device) -> dict[str, tuple[bool, str]]:
@@ -295,6 +201,7 @@ class Cell:
     max_abs_diff: int | None = None
     psnr_db: float | None = None
     plan: dict[str, Any] | None = None  # the planned column's plan, with each lever's PSNR
+    recheck_seconds_per_step: float | None = None  # the reference's run again, after its size's other cells
 
     @property
     def failure(self) -> str | None:
@@ -331,12 +238,22 @@ class Cell:
         denoise = self.phase("denoising")
         return denoise.seconds_per_step if denoise and self.status == "ok" else None
 
+    @property
+    def step_spread(self) -> float | None:
+        """The range of the step times that ``seconds_per_step`` averages (all but the first step),
+        relative to their mean; None with fewer than two of them."""
+        denoise = self.phase("denoising")
+        steady = (denoise.step_seconds or [])[1:] if denoise and self.status == "ok" else []
+        if len(steady) < 2:
+            return None
+        return (max(steady) - min(steady)) / (sum(steady) / len(steady))
+
     def summary(self) -> str:
         """One line for progress output."""
         head = f"{self.size}² {self.backend}"
         if self.status != "ok":
             return f"{head}: {self.failure}" + (f" ({self.message})" if self.status == "error" else "")
-        parts = [f"peak {format_bytes(self.peak)}", _per_step(self.seconds_per_step)]
+        parts = [f"peak {format_bytes(self.peak)}", _per_step(self.seconds_per_step, self.step_spread)]
         if self.reference is not None and self.reference != self.backend:
             parts.append(f"PSNR {_format_psnr(self.psnr_db)} vs {self.reference}, max diff {self.max_abs_diff}")
         if self.plan is not None:
@@ -363,12 +280,14 @@ class Cell:
             },
             "seconds": self.seconds,
             "seconds_per_step": self.seconds_per_step,
+            "step_spread": self.step_spread,
+            "recheck_seconds_per_step": self.recheck_seconds_per_step,
             "first_step_seconds": (self.phase("denoising") or PhaseStats("")).first_step_seconds,
             "phases": [p.to_dict() for p in self.phases],
             "images": self.images,
             "reference": self.reference,
             "max_abs_diff": self.max_abs_diff,
-            "psnr_db": _json_float(self.psnr_db),
+            "psnr_db": _json_psnr(self.psnr_db),
             "plan": self.plan,
         }
 
@@ -377,7 +296,6 @@ class Cell:
         """The cell :meth:`to_dict` wrote."""
         fields = {"backend", "size", "kind", "status", "failed_phase", "message", "during_warmup", "seconds", "images"}
         phases = [PhaseStats(**{k: p[k] for k in PHASE_FIELDS}) for p in data["phases"]]
-        psnr = data["psnr_db"]
         return cls(
             **{k: data[k] for k in fields},
             baseline=data["baseline_bytes"],
@@ -385,8 +303,9 @@ class Cell:
             phases=phases,
             reference=data["reference"],
             max_abs_diff=data["max_abs_diff"],
-            psnr_db=_psnr_value(psnr),
+            psnr_db=_psnr_value(data["psnr_db"], data["max_abs_diff"]),
             plan=data.get("plan"),
+            recheck_seconds_per_step=data.get("recheck_seconds_per_step"),
         )
 
 
@@ -454,14 +373,6 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
     else:
         _malloc_trim()
-
-
-def is_oom(err: BaseException) -> bool:
-    """Whether ``err`` means the device (or host) ran out of memory."""
-    if isinstance(err, _OOM_ERRORS):
-        return True
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def image_difference(images: Sequence[Image.Image], reference: Sequence[Image.Image]) -> tuple[int, float]:
@@ -559,10 +470,12 @@ def _lever_effects(pipe: Any, switcher: BackendSwitcher, settings: CompareSettin
     switcher.set("auto")
     try:
         unplanned = images()
-        cell.plan["psnr_db_vs_unplanned"] = _json_float(image_difference(planned, unplanned)[1])
+        diff, psnr = image_difference(planned, unplanned)
+        cell.plan.update(max_abs_diff_vs_unplanned=diff, psnr_db_vs_unplanned=_json_psnr(psnr))
         for step in cell.plan["levers"]:
             apply_plan(pipe, single_lever(cell.plan["settings"], step["lever"]))
-            step["psnr_db"] = _json_float(image_difference(images(), unplanned)[1])
+            diff, psnr = image_difference(images(), unplanned)
+            step.update(max_abs_diff=diff, psnr_db=_json_psnr(psnr))
             remove_plan(pipe)
     except Exception as err:  # noqa: BLE001 (e.g. a lever alone runs out of memory: the cell stands)
         cell.plan["lever_effects_error"] = first_line(err)
@@ -706,6 +619,44 @@ class CompareReport:
         """Grid cells and max-size probes."""
         return self.cells + [p for m in self.max_sizes.values() for p in m.probes]
 
+    def timing_check(self) -> list[dict[str, Any]]:
+        """Per size: whether its step times are steady enough to rank the backends, and if not why.
+
+        A size is too noisy when a cell has fewer than two steps to time after its first (``--steps``
+        under 3), when a cell's step times spread by more than :data:`RANK_NOISE`, or when the
+        reference timed again after the size's other cells differs from its first run by more.
+        """
+        checks = []
+        for size in self.sizes:
+            cells = [c for c in self.cells if c.size == size and c.seconds_per_step]
+            reasons = []
+            few = [c.backend for c in cells if c.step_spread is None]
+            if few:
+                reasons.append(f"{', '.join(few)}: one timed step (--steps 3 or more times two)")
+            wide = [f"{c.backend} ±{50 * c.step_spread:.0f} %" for c in cells if (c.step_spread or 0) > RANK_NOISE]
+            if wide:
+                reasons.append("step times spread: " + ", ".join(wide))
+            ref = self.cell(self.reference, size)
+            if ref is not None and ref.seconds_per_step and ref.recheck_seconds_per_step:
+                drift = abs(ref.recheck_seconds_per_step - ref.seconds_per_step) / ref.seconds_per_step
+                if drift > RANK_NOISE:
+                    reasons.append(
+                        f"{self.reference} took {ref.seconds_per_step:.3f} s/step first and "
+                        f"{ref.recheck_seconds_per_step:.3f} after the other cells"
+                    )
+            if cells:
+                checks.append({"size": size, "rankable": not reasons, "reasons": reasons})
+        return checks
+
+    def timing_notes(self) -> list[str]:
+        """One line per size whose timings are too noisy to rank."""
+        return [
+            f"timings at {c['size']}² are too noisy to rank the backends ({'; '.join(c['reasons'])}): "
+            "run more --steps, on an idle machine"
+            for c in self.timing_check()
+            if not c["rankable"]
+        ]
+
     def baseline_check(self) -> dict[str, Any]:
         """Whether every cell started from the same memory in use, within the tolerance."""
         tolerance = BASELINE_TOLERANCE[self.memory_kind]
@@ -758,6 +709,7 @@ class CompareReport:
             "weights_by_component": self.weights,
             "environment": self.environment,
             "baseline_check": self.baseline_check(),
+            "timing_check": self.timing_check(),
             "cells": [c.to_dict() for c in self.cells],
             "max_size": {b: m.to_dict() for b, m in self.max_sizes.items()},
             "files": {"markdown": "report.md", "chart": self.chart, "grid": self.grid},
@@ -774,11 +726,11 @@ class CompareReport:
         env = self.environment
         cuda = self.memory_kind == "cuda"
         unet_batch = self.unet_batch
-        images = f"{s.batch} image{'s' if s.batch > 1 else ''} per call (UNet batch {unet_batch})"
+        images = f"{plural(s.batch, 'image')} per call (UNet batch {unet_batch})"
         lines = [
             f"# sdpatch compare: {self.model} on {self.device_name}",
             "",
-            f"{self.started[:10]} · {self.dtype} · {s.steps} steps · seed {s.seed} · "
+            f"{self.started[:10]} · {self.dtype} · {plural(s.steps, 'step')} · seed {s.seed} · "
             f"guidance {s.guidance_scale} · {images} · prompt “{s.prompt}”",
             "",
             _environment_line(env, self.device_name),
@@ -794,7 +746,8 @@ class CompareReport:
                 if cuda
                 else "Peak resident host memory of the whole process (a CPU run: not GPU memory); "
             )
-            + "mean seconds per denoising step, leaving out the first; PSNR of the image against "
+            + "mean seconds per denoising step, leaving out the first, ± half the range of those steps "
+            "relative to their mean; PSNR of the image against "
             f"{self.reference} at the same size (same prompt, seed and initial latents).",
             "",
             self.main_table(),
@@ -840,6 +793,14 @@ class CompareReport:
         lines += self._plans_section()
         check = self.baseline_check()
         lines += ["", "## Baseline check", "", check["message"]]
+        timing = self.timing_notes()
+        lines += ["", "## Timing check", ""] + (
+            [f"- {n}" for n in timing]
+            or [
+                f"Every size's step times spread by {100 * RANK_NOISE:.0f} % or less, and each reference ran "
+                "again after its size's other cells within that: the backends can be ranked by s/step."
+            ]
+        )
         failures = [c for c in self.all_cells if c.status == "error"]
         if failures:
             lines += ["", "## Errors", ""]
@@ -855,7 +816,10 @@ class CompareReport:
             scope = "each phase's own peak" if self.host_scope != "process" else "the process's peak since it started"
             notes.append(f"host memory: resident memory of the whole process, {scope}")
         if s.warmup:
-            notes.append("each cell ran once with one step before it was measured (warm-up), unmeasured")
+            notes.append(
+                f"one untimed step of {self.reference} ran before the first cell, and each cell ran once with one "
+                "step before it was measured (warm-up), unmeasured"
+            )
         if notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
         return "\n".join(lines) + "\n"
@@ -879,12 +843,14 @@ class CompareReport:
             lines += ["", f"**{cell.size}²** ({cell.failure or 'completed'})", ""]
             lines += [f"- {line}" for line in plan_lines(cell.plan, measured if cell.status == "ok" else None)]
             if "psnr_db_vs_unplanned" in cell.plan:
-                psnr = _format_psnr(_psnr_value(cell.plan["psnr_db_vs_unplanned"]))
+                psnr = _format_psnr(
+                    _psnr_value(cell.plan["psnr_db_vs_unplanned"], cell.plan.get("max_abs_diff_vs_unplanned"))
+                )
                 lines.append(f"- the whole plan: PSNR {psnr} against unplanned auto")
             for step in cell.plan["levers"]:
                 if "psnr_db" in step:
                     kind = "exact" if step["exact"] else "approximate"
-                    psnr = _format_psnr(_psnr_value(step["psnr_db"]))
+                    psnr = _format_psnr(_psnr_value(step["psnr_db"], step.get("max_abs_diff")))
                     lines.append(f"- {step['setting']} alone ({kind}): PSNR {psnr}")
             if "lever_effects_error" in cell.plan:
                 lines.append(f"- lever effects not measured: {cell.plan['lever_effects_error']}")
@@ -901,7 +867,7 @@ class CompareReport:
             diff = f"PSNR {_format_psnr(cell.psnr_db)}"
         if cell.plan is not None and cell.plan["approximate"]:
             diff += " (tiled decode)"
-        return f"{_gib(cell.peak)} · {_per_step(cell.seconds_per_step)} · {diff}"
+        return f"{_gib(cell.peak)} · {_per_step(cell.seconds_per_step, cell.step_spread)} · {diff}"
 
 
 def compare(
@@ -912,6 +878,7 @@ def compare(
     model: str,
     notes: Sequence[str] = (),
     on_cell: Callable[[Cell], None] | None = None,
+    progress: Progress | bool = True,
 ) -> CompareReport:
     """Run the comparison on a loaded pipeline and write the output folder.
 
@@ -923,6 +890,12 @@ def compare(
         model: the model's name, for the report.
         notes: lines to carry in the report.
         on_cell: called with each cell (and max-size probe) once it is recorded.
+        progress: the progress line to show the cells on (True: a new one, drawn on a terminal).
+
+    Timings: with ``warmup``, one untimed step of the reference at the smallest size comes first,
+    so that no cell pays the process's one-time costs; each size's reference is timed again after
+    the size's other cells, and :meth:`CompareReport.timing_check` says where the step times
+    spread too much to rank the backends.
 
     The pipeline is left with its stock processors. With ``vram_cap_gib`` on CUDA the process's
     memory fraction is set for the run and put back to 1 afterwards.
@@ -976,10 +949,16 @@ def compare(
         if on_cell is not None:
             on_cell(cell)
 
+    progress = Progress.of(progress)
     try:
+        if settings.warmup:
+            progress.phase(f"warm-up: {reference} at {min(sizes)}²")
+            warm_up(pipe, switcher, settings, reference, min(sizes))
+        progress.phase("cells", total=len(sizes) * len(order))
         for size in sizes:
             ref_images: list[Image.Image] | None = None
             for backend in order:
+                progress.describe(f"{size}² {backend}")
                 cell, images = run_cell(pipe, switcher, settings, backend, size)
                 if backend == reference and cell.status == "ok":
                     ref_images = images
@@ -992,8 +971,16 @@ def compare(
                 del images
                 report.cells.append(cell)
                 record(cell)
+                progress.advance()
+            ref = report.cell(reference, size)
+            if ref is not None and ref.status == "ok" and len(order) > 1:
+                progress.describe(f"{size}² {reference} again")
+                again, _ = run_cell(pipe, switcher, replace(settings, warmup=False), reference, size)
+                ref.recheck_seconds_per_step = again.seconds_per_step
+                _write_reports(report)
         if settings.max_size:
             for backend in order:
+                progress.describe(f"largest size: {backend}")
                 _max_size(report, pipe, switcher, settings, backend, record)
         report.complete = True
     finally:
@@ -1013,6 +1000,7 @@ def run(
     overwrite: bool = False,
     allow_pickle: bool = False,
     on_cell: Callable[[Cell], None] | None = None,
+    progress: Progress | bool = True,
 ) -> CompareReport:
     """What ``sdpatch compare`` does: check every input, load the pipeline once, compare.
 
@@ -1028,9 +1016,11 @@ def run(
     out_dir, out_note = plan_out_dir(out, overwrite=overwrite)
     if out_note:
         logger.warning("%s", out_note)
+    progress = Progress.of(progress)
+    progress.phase(f"{'building' if source.kind == 'preset' else 'loading'} {model} on {torch_device}")
     pipe = load_pipeline(source, device=torch_device, dtype=torch_dtype)
-    notes = [n for n in (dtype_note, out_note) if n]
-    return compare(pipe, settings, out_dir, model=model, notes=notes, on_cell=on_cell)
+    notes = [n for n in (dtype_note, out_note, tokenizer_note(model)) if n]
+    return compare(pipe, settings, out_dir, model=model, notes=notes, on_cell=on_cell, progress=progress)
 
 
 def _finish(report: CompareReport, out_dir: Path) -> CompareReport:
@@ -1053,6 +1043,20 @@ def redraw(out_dir: Path) -> CompareReport:
         raise InputError(f"{path} is not a report of sdpatch compare")
     report = CompareReport.from_dict(data, out_dir)
     return _finish(report, out_dir)
+
+
+def warm_up(pipe: Any, switcher: BackendSwitcher, settings: CompareSettings, backend: str, size: int) -> None:
+    """One untimed step of ``backend`` at ``size``, before any cell: what runs first in a process
+    pays one-time costs (thread pools, kernel selection, the allocator's first growth) that would
+    otherwise land in the first cell's time and memory. A failure is left for that cell to record."""
+    try:
+        switcher.set(backend)
+        _generate(pipe, MemoryMeter(pipe._execution_device), settings, size, 1)
+    except Exception as err:  # noqa: BLE001 (the cells record what fails, with its phase)
+        logger.info("warm-up of %s at %d² failed: %s", backend, size, first_line(err))
+    finally:
+        switcher.restore()
+        release_memory(pipe._execution_device)
 
 
 def _max_size(
@@ -1174,7 +1178,7 @@ def write_grid(report: CompareReport, path: Path) -> str | None:
                 with Image.open(report.out_dir / cell.images[0]) as img:
                     resample = Image.Resampling.NEAREST if size < tile else Image.Resampling.LANCZOS
                     grid.paste(img.convert("RGB").resize((tile, tile), resample), (x, y))
-                psnr = "reference" if backend == report.reference else _format_psnr(cell.psnr_db, ascii_only=True)
+                psnr = "reference" if backend == report.reference else _format_psnr(cell.psnr_db)
                 caption = f"{_gib(cell.peak)}, {psnr}"
             else:
                 draw.rectangle((x, y, x + tile - 1, y + tile - 1), fill=(200, 200, 200))
@@ -1306,31 +1310,34 @@ def _reserved_cell(cell: Cell) -> str:
     return f"**{cell.failure}**" if cell.status != "ok" else _gib(cell.peak_reserved)
 
 
-def _per_step(seconds: float | None) -> str:
-    return "— s/step" if seconds is None else f"{seconds:.3f} s/step"
+def _per_step(seconds: float | None, spread: float | None = None) -> str:
+    if seconds is None:
+        return "— s/step"
+    return f"{seconds:.3f} s/step" + ("" if spread is None else f" ±{50 * spread:.0f} %")
 
 
 def _gib(n: int | None) -> str:
     return "—" if n is None else f"{n / GIB:.2f} GiB"
 
 
-def _format_psnr(psnr: float | None, *, ascii_only: bool = False) -> str:
-    # Pillow's built-in font has no ∞ (nor ²): the grid's captions stay ASCII.
+def _format_psnr(psnr: float | None) -> str:
+    # "inf", not ∞: Pillow's built-in font, which the grid's captions use, has no ∞.
     if psnr is None:
-        return "-" if ascii_only else "—"
-    if math.isinf(psnr):
-        return "inf dB" if ascii_only else "∞ dB"
-    return f"{psnr:.1f} dB"
+        return "—"
+    return "inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB"
 
 
-def _json_float(x: float | None) -> float | str | None:
-    """JSON has no infinity: an identical image's PSNR is the string ``"inf"``."""
-    return "inf" if x is not None and math.isinf(x) else x
+def _json_psnr(psnr: float | None) -> float | None:
+    """A PSNR for JSON, which has no infinity: an identical image's is null, beside its
+    ``max_abs_diff`` of 0."""
+    return None if psnr is None or math.isinf(psnr) else psnr
 
 
-def _psnr_value(x: float | str | None) -> float | None:
-    """The PSNR :func:`_json_float` wrote."""
-    return math.inf if x == "inf" else x
+def _psnr_value(psnr: float | str | None, max_abs_diff: int | None) -> float | None:
+    """The PSNR :func:`_json_psnr` wrote; ``"inf"``, in the reports under docs/compare/, reads as infinity too."""
+    if psnr == "inf" or (psnr is None and max_abs_diff == 0):
+        return math.inf
+    return psnr
 
 
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
@@ -1348,13 +1355,19 @@ def _malloc_trim() -> None:
         pass
 
 
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m sdpatch.compare DIR   (redraw DIR's report.md, memory.png and grid.png)")
+def _redraw_main(argv: list[str]) -> int:
+    """``python -m sdpatch.compare DIR``, with the exit codes of the ``sdpatch`` command."""
+    if len(argv) != 1:
+        print("usage: python -m sdpatch.compare DIR   (redraw DIR's report.md and figures)", file=sys.stderr)
+        return 2
     try:
-        done = redraw(Path(sys.argv[1]))
+        done = redraw(Path(argv[0]))
     except InputError as err:
-        sys.exit(f"sdpatch: error: {err}")
+        print(f"sdpatch: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {done.out_dir}: report.json, report.md, " + ", ".join(f for f in (done.chart, done.grid) if f))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_redraw_main(sys.argv[1:]))

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
+import re
 import secrets
 import time
 from collections import Counter
@@ -32,8 +32,19 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from sdpatch.attention import BACKENDS, BackendUnavailableError, backend_status
-from sdpatch.errors import InputError
-from sdpatch.memory import PHASE_LABELS, MemoryMeter, PhaseStats, format_bytes, summarize, total, weights_bytes
+from sdpatch.errors import InputError, OutputError, RunError, first_line
+from sdpatch.memory import (
+    PHASE_LABELS,
+    MemoryMeter,
+    PhaseStats,
+    format_bytes,
+    host_available_bytes,
+    is_oom,
+    plural,
+    summarize,
+    total,
+    weights_bytes,
+)
 from sdpatch.models import (
     ModelSource,
     default_size,
@@ -41,65 +52,15 @@ from sdpatch.models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    tokenizer_note,
 )
 from sdpatch.planner import fit, parse_budget, plan_lines
+from sdpatch.progress import Progress
+from sdpatch.settings import MAX_IMAGES, MAX_SEED, MAX_SIDE, GenerationRequest  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
 GENERATE_BACKENDS = ("stock", *BACKENDS)
-# Sanity bounds that turn a typo into an error instead of a hang or an OOM kill. At 16384 px a
-# side, each of the VAE decoder's activations is already 64 GiB in fp16.
-MAX_SIDE = 16384
-MAX_IMAGES = 10_000
-MAX_SEED = 2**64 - 1  # the largest seed a torch.Generator takes
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What to generate. ``height``/``width`` None means the model's native size.
-
-    Image ``i`` of ``num_images`` uses seed ``seed + i``, so that each image can be made again
-    on its own with ``--seed``.
-    """
-
-    prompt: str
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    steps: int = 30
-    guidance_scale: float = 7.5
-    seed: int = 0
-    num_images: int = 1
-
-    def validate(self) -> None:
-        """Raise InputError for a value no pipeline can run."""
-        for name, text in (("the prompt", self.prompt), ("--negative-prompt", self.negative_prompt)):
-            try:
-                (text or "").encode("utf-8")
-            except UnicodeEncodeError:  # e.g. undecodable bytes in argv, kept as lone surrogates
-                raise InputError(f"{name} is not valid UTF-8 text") from None
-        for name, value in (("height", self.height), ("width", self.width)):
-            if value is not None and (value <= 0 or value % 8):
-                raise InputError(f"--{name} must be a positive multiple of 8, got {value}")
-            if value is not None and value > MAX_SIDE:
-                raise InputError(f"--{name} must be at most {MAX_SIDE}, got {value}")
-        if self.steps <= 0:
-            raise InputError(f"--steps must be at least 1, got {self.steps}")
-        if not (math.isfinite(self.guidance_scale) and self.guidance_scale >= 0):
-            raise InputError(f"--guidance-scale must be a finite number >= 0, got {self.guidance_scale}")
-        if not 1 <= self.num_images <= MAX_IMAGES:
-            raise InputError(f"--num-images must be between 1 and {MAX_IMAGES}, got {self.num_images}")
-        if not 0 <= self.seed <= MAX_SEED - (self.num_images - 1):
-            raise InputError(
-                f"--seed must be between 0 and {MAX_SEED - (self.num_images - 1)} "
-                f"(image i uses seed + i, at most 2**64 - 1), got {self.seed}"
-            )
-
-    @property
-    def seeds(self) -> list[int]:
-        return [self.seed + i for i in range(self.num_images)]
-
-
 @dataclass
 class ImageRecord:
     """One generated image: its seed, where it was written, and its measured phases."""
@@ -144,6 +105,23 @@ class GenerationReport:
         """Each phase over all images: mean time, highest peaks."""
         return summarize(r.phases for r in self.images)
 
+    @property
+    def measured_peak(self) -> int | None:
+        """The peak a --vram-budget is about: PyTorch's peak reserved on CUDA, else host memory."""
+        peak = total(self.phases)
+        return peak.peak_reserved if self.memory_kind == "cuda" else peak.peak_host
+
+    @property
+    def budget_miss(self) -> str | None:
+        """How the run missed its --vram-budget, in one line; None within it (or without one)."""
+        measured = self.measured_peak
+        if not self.plan or not self.images or measured is None or measured <= self.plan["budget_bytes"]:
+            return None
+        return (
+            f"the run missed --vram-budget {self.plan['budget']}: measured {format_bytes(measured)}, "
+            f"{format_bytes(measured - self.plan['budget_bytes'])} over"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         phases = self.phases
         return {
@@ -174,7 +152,7 @@ class GenerationReport:
         n = len(self.images)
         head = (
             f"{self.model} · backend {self.backend} · {self.device_name} ({self.device}) · {self.dtype} · "
-            f"{r.width}×{r.height} · {r.steps} steps · {n} image{'s' if n != 1 else ''}"
+            f"{r.width}×{r.height} · {plural(r.steps, 'step')} · {plural(n, 'image')}"
         )
         cuda = self.memory_kind == "cuda"
         cols = ["phase", "time", "s/it", *(("peak allocated", "peak reserved") if cuda else ("peak host memory",))]
@@ -215,8 +193,7 @@ class GenerationReport:
             scope = "each phase's own peak" if self.host_scope == "phase" else "the process's peak since it started"
             lines.append(f"host memory: resident memory of the whole process, {scope} (not GPU memory)")
         if self.plan:
-            peak = total(phases)
-            lines.extend(plan_lines(self.plan, peak.peak_reserved if cuda else peak.peak_host))
+            lines.extend(plan_lines(self.plan, self.measured_peak))
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
@@ -261,8 +238,10 @@ def measured_call(
     guidance_scale: float,
     seed: int,
     num_images_per_prompt: int = 1,
+    progress: Progress | None = None,
 ) -> list[Image.Image]:
-    """One pipeline call, measured as three phases appended to ``meter.phases``.
+    """One pipeline call, measured as three phases appended to ``meter.phases``, and shown as
+    they run on ``progress``.
 
     Text encoding runs through the pipeline's own ``encode_prompt``; the embeddings then go into
     the pipeline call, whose last step callback is the boundary between the denoising loop and
@@ -274,6 +253,8 @@ def measured_call(
     """
     device = pipe._execution_device
     cfg = guidance_scale > 1.0  # diffusers' own rule for classifier-free guidance
+    progress = progress or Progress(enabled=False)
+    progress.phase(PHASE_LABELS["text_encoding"])
     with meter.phase("text_encoding"):
         # Encode once, unrepeated: the pipeline repeats the embeddings per image itself.
         embeds = pipe.encode_prompt(
@@ -289,10 +270,13 @@ def measured_call(
     def on_step_end(pipeline: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         meter.synchronize()
         step_ends.append(time.perf_counter())
+        progress.advance()
         if i == pipeline.num_timesteps - 1:
             meter.switch("vae_decode")
+            progress.phase(PHASE_LABELS["vae_decode"])
         return {}
 
+    progress.phase(PHASE_LABELS["denoising"], total=steps)
     meter.start("denoising")
     denoise = meter.phases[-1]
     step_ends.append(time.perf_counter())
@@ -321,10 +305,11 @@ def generate(
     outputs: list[Path] | None = None,
     report_json: Path | None = None,
     notes: list[str] | None = None,
-    progress: bool = True,
+    progress: Progress | bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
     plan: dict[str, Any] | None = None,
     speed: dict[str, Any] | None = None,
+    prompt_label: str = "the prompt",
 ) -> GenerationResult:
     """Generate ``request`` on a loaded (and maybe patched) pipeline, one image at a time.
 
@@ -334,15 +319,20 @@ def generate(
         model: the model's name, for the report.
         backend: the attention backend the pipeline was patched with (``stock``: unpatched).
         outputs: one PNG path per image (see :func:`plan_outputs`), or None to write nothing.
-            Each image is written atomically as soon as it is done, so an interrupted run
-            keeps the images it finished.
+            Each image is written atomically as soon as it is done, so an interrupted run, or
+            one whose write fails (OutputError), keeps the images it finished.
         report_json: where to write the report; rewritten (atomically) after every image, so
             it is valid JSON and covers the finished images at any moment.
         notes: lines to carry in the report (e.g. a dtype substitution).
-        progress: show diffusers' progress bar for the denoising loop (the only bar).
+        progress: the progress line to show the phases on (True: a new one, drawn on a terminal).
         on_image: called with each image's record once it is written.
         plan: the memory plan applied to ``pipe`` (:meth:`sdpatch.planner.Plan.to_dict`), for the report.
         speed: the speed levers applied to ``pipe`` (:meth:`sdpatch.speed.SpeedSetup.to_dict`), for the report.
+        prompt_label: how a warning about a prompt too long for the text encoder names it.
+
+    A prompt longer than the text encoder reads is cut by diffusers; a warning says so, and the
+    report and PNGs keep only the part that was read (:func:`read_prompt`). Running out of host
+    memory raises RunError, naming the phase.
     """
     request.validate()
     timesteps = pipe.scheduler.config.num_train_timesteps
@@ -354,44 +344,64 @@ def generate(
         raise ValueError(f"{len(outputs)} output paths for {request.num_images} images")
     if outputs:
         outputs[0].parent.mkdir(exist_ok=True)  # plan_outputs checked that its parent exists
-    pipe.set_progress_bar_config(disable=not progress)
+    progress = Progress.of(progress)
+    pipe.set_progress_bar_config(disable=True)  # the progress line shows the steps instead
     device = pipe._execution_device
     meter = MemoryMeter(device)
+    notes = list(notes or [])
+    prompt, prompt_note = read_prompt(pipe.tokenizer, request.prompt, prompt_label)
+    negative, negative_note = read_prompt(pipe.tokenizer, request.negative_prompt or "", "--negative-prompt")
+    for note in (prompt_note, negative_note):
+        if note:
+            logger.warning("%s", note)
+            notes.append(note)
     report = GenerationReport(
         model=model,
         backend=backend,
         device=str(device),
         device_name=device_name(device),
         dtype=str(pipe.unet.dtype).removeprefix("torch."),
-        request=request,
+        request=replace(request, prompt=prompt, negative_prompt=negative if request.negative_prompt else None),
         memory_kind=meter.kind,
         host_scope=None,
         weights=weights_bytes(pipe.components),
         plan=plan,
-        notes=list(notes or []),
+        notes=notes,
     )
     images: list[Image.Image] = []
     if report_json is not None:  # from the start, an interrupted run leaves a valid report
         write_json(report_json, report.to_dict())
     for index, seed in enumerate(request.seeds):
+        if request.num_images > 1:
+            progress.context["image"] = f"image {index + 1}/{request.num_images}"
         meter.phases = []
-        batch = measured_call(
-            pipe,
-            meter,
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            height=request.height,
-            width=request.width,
-            steps=request.steps,
-            guidance_scale=request.guidance_scale,
-            seed=seed,
-        )
+        try:
+            batch = measured_call(
+                pipe,
+                meter,
+                prompt=request.prompt,
+                negative_prompt=request.negative_prompt,
+                height=request.height,
+                width=request.width,
+                steps=request.steps,
+                guidance_scale=request.guidance_scale,
+                seed=seed,
+                progress=progress,
+            )
+        except Exception as err:
+            if meter.kind == "host" and is_oom(err):
+                where = "in " + PHASE_LABELS.get(meter.current or "", meter.current or "setup")
+                raise RunError(host_oom_message(where, err, index)) from err
+            raise
         image = batch[0]
         record = ImageRecord(index, seed, None, meter.phases)
         report.host_scope = meter.host_scope
         if outputs is not None:
             record.path = str(outputs[index])
-            write_png(image, outputs[index], png_text(report, record))
+            try:
+                write_png(image, outputs[index], png_text(report, record))
+            except OutputError as err:
+                raise OutputError(f"{err}{_kept(index)}") from err
             logger.info("wrote %s", record.path)
         images.append(image)
         report.images.append(record)
@@ -402,7 +412,63 @@ def generate(
             write_json(report_json, report.to_dict())
         if on_image is not None:
             on_image(record)
+    progress.context.pop("image", None)
     return GenerationResult(images, report)
+
+
+def read_prompt(tokenizer: Any, text: str, label: str) -> tuple[str, str | None]:
+    """The part of ``text`` that the text encoder reads, and a warning if that is not all of it.
+
+    diffusers cuts a prompt to the tokenizer's ``model_max_length`` (77 for CLIP, with its start
+    and end tokens). The part returned is the shortest prefix of ``text`` whose tokens begin with
+    the same ones, so that it makes the same image; the search doubles the prefix, then bisects,
+    which keeps a long prompt to a few tokenizer calls of about the kept length.
+    """
+    limit = tokenizer.model_max_length - 2
+    if not text or limit <= 0:
+        return text, None
+    ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    if len(ids) <= limit:
+        return text, None
+    head = ids[:limit]
+
+    def reads_the_same(n: int) -> bool:
+        return tokenizer(text[:n], add_special_tokens=False, verbose=False).input_ids[:limit] == head
+
+    lo, hi = 0, limit
+    while hi < len(text) and not reads_the_same(hi):
+        lo, hi = hi, min(2 * hi, len(text))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if reads_the_same(mid) else (mid, hi)
+    kept = text[:hi]
+    dropped = tokenizer.decode(ids[limit : limit + 8]).strip()
+    note = (
+        f"{label} is {len(ids)} tokens long and the text encoder reads only the first {limit}: the rest "
+        f"(from {dropped + '…'!r}) is ignored; the images' metadata keep only the part it reads "
+        f"({len(kept)} of {len(text)} characters)"
+    )
+    return kept, note
+
+
+def _kept(images: int) -> str:
+    """What a run that failed after ``images`` images leaves."""
+    if not images:
+        return ""
+    return f"; the {plural(images, 'image')} written before it {'is' if images == 1 else 'are'} kept"
+
+
+def host_oom_message(where: str, err: BaseException, images_done: int) -> str:
+    """One line for a run that ran out of host memory ``where`` (a phase), and what it asked for."""
+    asked = re.search(r"allocate (\d+) bytes", str(err))
+    need = f": it asked for {format_bytes(int(asked.group(1)))} more" if asked else ""
+    free = format_bytes(host_available_bytes())
+    kept = _kept(images_done)
+    return (
+        f"out of host memory {where}{need} ({free} available now); "
+        f"--vram-budget GIB plans memory levers (tiled VAE decode, attention and feed-forward chunking) "
+        f"to fit a budget{kept}"
+    )
 
 
 def run(
@@ -416,7 +482,7 @@ def run(
     overwrite: bool = False,
     report_json: Path | None = None,
     allow_pickle: bool = False,
-    progress: bool = True,
+    progress: Progress | bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
     vram_budget: float | str | None = None,
     best_effort: bool = False,
@@ -428,9 +494,11 @@ def run(
     Everything that can be checked without loading weights is checked first and raises
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
     ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
-    before generating; a budget that cannot be met raises InputError then, unless ``best_effort``.
+    before generating; a budget that cannot be met raises InputError then, unless ``best_effort``;
+    one that the run misses shows in ``report.budget_miss``. ``progress`` shows the model's build
+    or load and then each image's phases (True: a progress line drawn on a terminal).
     ``cuda_graphs`` (None: on for a patched pipeline on CUDA, unless a budget is planned) and
-    ``compile``: see :func:`sdpatch.speed.apply_speed`.
+    ``compile``: see :func:`sdpatch.speed.speed_up`.
     """
     request.validate()
     if vram_budget is not None:
@@ -441,11 +509,18 @@ def run(
                         cuda_graphs=cuda_graphs, compile=compile, planned=vram_budget is not None)
     outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
     if report_json is not None:
-        check_output_file(report_json, overwrite=overwrite, what="--report-json")
+        check_output_file(report_json, overwrite=overwrite, what="--report-json", new_folder=outputs[0].parent)
         if report_json.resolve() in {p.resolve() for p in outputs}:
             raise InputError("--report-json must not be one of the image paths")
 
-    pipe = setup.load()
+    progress = Progress.of(progress)
+    try:
+        pipe = setup.load(progress)
+    except Exception as err:
+        if setup.device.type != "cuda" and is_oom(err):
+            verb = "building" if setup.source.kind == "preset" else "loading"
+            raise RunError(host_oom_message(f"while {verb} {model}", err, 0)) from err
+        raise
     plan = None
     if vram_budget is not None:
         size = default_size(pipe)
@@ -488,16 +563,19 @@ class Setup:
     compile: bool = False
     speed: dict[str, Any] = field(default_factory=dict)  # what load() applied (SpeedSetup.to_dict)
 
-    def load(self) -> Any:
+    def load(self, progress: Progress | None = None) -> Any:
         """Load the pipeline on its device, patch it with the backend, apply the speed levers."""
-        from sdpatch.speed import apply_speed
+        from sdpatch.speed import speed_up
 
+        if progress is not None:
+            verb = "building" if self.source.kind == "preset" else "loading"
+            progress.phase(f"{verb} {self.source.name} on {self.device}")
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
         pipe = load_pipeline(self.source, device=self.device, dtype=self.dtype)
         apply_backend(pipe, self.backend)
-        applied = apply_speed(pipe, cuda_graphs=self.cuda_graphs, compile=self.compile)
+        applied = speed_up(pipe, cuda_graphs=self.cuda_graphs, compile=self.compile)
         self.speed.update(applied.to_dict())
         self.notes.extend(applied.notes)
         return pipe
@@ -527,7 +605,7 @@ def check_setup(
         if not ok:
             raise InputError(f"backend {backend!r} cannot run on {torch_device}: {why}")
     source = resolve_model(model, allow_pickle=allow_pickle)
-    notes = [dtype_note] if dtype_note else []
+    notes = [n for n in (dtype_note, tokenizer_note(model)) if n]
     if cuda_graphs is None:
         cuda_graphs = torch_device.type == "cuda" and backend != "stock" and not planned
         if planned and torch_device.type == "cuda" and backend != "stock":
@@ -588,12 +666,15 @@ def plan_outputs(
     return paths
 
 
-def check_output_file(path: Path, *, overwrite: bool, what: str) -> None:
-    """Raise InputError unless ``path`` can be written: its folder exists, and it does not
-    exist yet or ``overwrite`` is set."""
+def check_output_file(path: Path, *, overwrite: bool, what: str, new_folder: Path | None = None) -> None:
+    """Raise InputError unless ``path`` can be written: its folder exists (or is ``new_folder``,
+    which the run creates in an existing folder), and it does not exist yet or ``overwrite`` is set."""
     if path.is_dir():
         raise InputError(f"{what} {path} is a folder, not a file")
-    check_folder(path.parent, what)
+    folder = path.parent
+    if new_folder is not None and not folder.exists() and folder.resolve() == new_folder.resolve():
+        folder = folder.parent
+    check_folder(folder, what)
     if path.exists() and not overwrite:
         raise InputError(f"{path} already exists (pass --overwrite to replace it)")
 
@@ -614,6 +695,7 @@ def png_text(report: GenerationReport, record: ImageRecord) -> dict[str, str]:
         "dtype": report.dtype,
     }
     full = report.to_dict()
+    full["complete"] = True  # the record of this one image, which is finished
     full["images"] = [record.to_dict()]
     full["phases"] = full["images"][0]["phases"]
     full["total"] = full["images"][0]["total"]
@@ -683,21 +765,35 @@ def environment() -> dict[str, Any]:
 
 
 def check_folder(folder: Path, what: str) -> None:
+    """Raise InputError unless files can be made in ``folder``: a probe file is written and removed,
+    which finds what permission bits do not (a read-only mount, /proc, a full disk)."""
     folder = folder if str(folder) else Path(".")
     if not folder.is_dir():
         raise InputError(f"{what}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"{what}: folder {folder} is not writable")
+    probe = folder / f".sdpatch-probe-{secrets.token_hex(4)}"
+    try:
+        with open(probe, "xb") as f:
+            f.write(b"sdpatch")
+    except OSError as err:
+        raise InputError(f"{what}: cannot write in folder {folder}: {err.strerror or first_line(err)}") from None
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
-    """Write ``path`` through ``write(file)`` into a temporary file beside it, then rename it over."""
+    """Write ``path`` through ``write(file)`` into a temporary file beside it, then rename it over.
+
+    A failed write (a full disk, say) raises OutputError and leaves neither file behind.
+    """
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     try:  # the file is created inside the try, under a name known before: mkstemp's window between
         # creating it and returning its name once let a Ctrl-C leave one behind
         with open(tmp, "xb") as f:  # a plain file's mode: 0o666 less the umask
             write(f)
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err.strerror or first_line(err)}") from err
     except BaseException:  # KeyboardInterrupt too: never leave the temporary file behind
         tmp.unlink(missing_ok=True)
         raise

@@ -219,6 +219,31 @@ def host_resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+def host_available_bytes() -> int:
+    """Host memory available to new allocations now (psutil's ``available``)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+_OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError, MemoryError)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` means the device (or host) ran out of memory."""
+    if isinstance(err, _OOM_ERRORS):  # torch.OutOfMemoryError from 2.5 on is torch.cuda's class
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text or "not enough memory" in text
+    )
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 step``, ``3 steps``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def format_bytes(n: int | None) -> str:
     """``1.50 GiB`` / ``312.4 MiB``; an em dash for None."""
     if n is None:

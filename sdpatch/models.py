@@ -9,11 +9,16 @@ builds or loads it.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import importlib.util
 import json
 import logging
 import os
+import pickle
 import re
+import shutil
 import socket
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -49,6 +54,10 @@ _SINGLE_FILE_TYPES = {
     "xl_base": "StableDiffusionXLPipeline",
     "playground-v2-5": "StableDiffusionXLPipeline",
 }
+_MODEL_KINDS = (
+    f"use a preset ({', '.join(PRESETS)}), a local diffusers folder, a .safetensors file, "
+    "or a Hugging Face repo id (owner/name)"
+)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PROBE_TIMEOUT_S = 3.0
 
@@ -129,6 +138,8 @@ def resolve_model(model: str, *, allow_pickle: bool = False) -> ModelSource:
     if model in PRESETS:
         pipeline = "StableDiffusionXLPipeline" if model == "sdxl" else "StableDiffusionPipeline"
         return ModelSource(model, "preset", pipeline, model)
+    if not model.strip():  # Path("") is the current folder
+        raise InputError(f"--model is empty: {_MODEL_KINDS}")
     path = Path(model).expanduser()
     if path.is_dir():
         return ModelSource(model, "folder", _folder_pipeline_class(path), str(path))
@@ -138,10 +149,7 @@ def resolve_model(model: str, *, allow_pickle: bool = False) -> ModelSource:
         raise InputError(f"model file {model!r} is not a .safetensors or .ckpt checkpoint")
     if _REPO_ID.match(model) and not model.startswith((".", "/", "~")):
         return _resolve_hub(model)
-    raise InputError(
-        f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), a local diffusers folder, "
-        "a .safetensors file, or a Hugging Face repo id (owner/name)"
-    )
+    raise InputError(f"unknown model {model!r}: {_MODEL_KINDS}")
 
 
 def load_pipeline(source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> Any:
@@ -184,9 +192,10 @@ def build_preset(name: str, *, device: torch.device | str = "cpu", dtype: torch.
         components = {key: _component(name, key).eval().requires_grad_(False) for key in modules}
     # The scheduler stays outside the device context: its tables belong on the CPU.
     components["scheduler"] = _component(name, "scheduler")
-    tokenizer = _local_tokenizer()
-    if name == "sdxl":
-        return diffusers_pipeline("StableDiffusionXLPipeline")(tokenizer=tokenizer, tokenizer_2=tokenizer, **components)
+    tokenizer = preset_tokenizer(name)
+    if name == "sdxl":  # the second, OpenCLIP's, pads with "!" (id 0), as SDXL's own does
+        tokenizer_2 = preset_tokenizer(name, pad_token="!")
+        return diffusers_pipeline("StableDiffusionXLPipeline")(tokenizer=tokenizer, tokenizer_2=tokenizer_2, **components)
     return diffusers_pipeline("StableDiffusionPipeline")(
         tokenizer=tokenizer, safety_checker=None, feature_extractor=None, requires_safety_checker=False, **components
     )
@@ -233,10 +242,64 @@ def _component(preset: str, component: str) -> Any:
     return cls(cls.config_class(**cfg))
 
 
-def _local_tokenizer() -> Any:
+def preset_tokenizer(name: str, **kwargs: Any) -> Any:
+    """The tokenizer of a preset: CLIP's own BPE vocabulary for the full-size ones where it is
+    installed (:func:`clip_bpe_file`), else the stand-in of ``configs/tokenizer`` (see
+    :func:`tokenizer_note`). ``kwargs`` go to ``CLIPTokenizer.from_pretrained``."""
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer.from_pretrained(str(tokenizer_dir()))
+    bpe = clip_bpe_file() if name != "tiny" else None
+    if bpe is None:
+        return CLIPTokenizer.from_pretrained(str(tokenizer_dir()), **kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        _write_clip_tokenizer(bpe, Path(folder))
+        return CLIPTokenizer.from_pretrained(folder, **kwargs)
+
+
+# CLIP's vocabulary: its 256 byte symbols, each also ending a word, 48894 merges, 2 special tokens.
+CLIP_MERGES = 49408 - 2 * 256 - 2
+
+
+def clip_bpe_file() -> Path | None:
+    """CLIP's BPE merges (``bpe_simple_vocab_16e6.txt.gz``) as the open-clip-torch package ships
+    them, found without importing it (that would import torchvision); None if not installed."""
+    spec = importlib.util.find_spec("open_clip")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "bpe_simple_vocab_16e6.txt.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def tokenizer_note(model: str) -> str | None:
+    """A line for the report of a full-size preset whose prompts do not tokenize as CLIP's."""
+    if model not in PRESETS or model == "tiny" or clip_bpe_file() is not None:
+        return None
+    return (
+        f"the {model} preset tokenizes with sdpatch's 533-entry stand-in vocabulary, not CLIP's: its token "
+        "counts and where a long prompt is cut differ from the real model's "
+        "(pip install --no-deps open-clip-torch gives it CLIP's)"
+    )
+
+
+def _byte_symbols() -> list[str]:
+    """Byte-level BPE's symbols for the 256 bytes, in CLIP's vocabulary order: the bytes that are
+    printable Latin-1 characters as themselves, then each other byte as a character from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def _write_clip_tokenizer(bpe: Path, folder: Path) -> None:
+    """Write CLIP's vocab.json, merges.txt and tokenizer config into ``folder``, from its merges."""
+    lines = gzip.decompress(bpe.read_bytes()).decode("utf-8").split("\n")
+    merges = lines[1 : 1 + CLIP_MERGES]  # the first line is a version header
+    symbols = _byte_symbols()
+    tokens = [*symbols, *(s + "</w>" for s in symbols), *(m.replace(" ", "") for m in merges)]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}), encoding="utf-8")
+    (folder / "merges.txt").write_text("\n".join(["#version: 0.2", *merges]) + "\n", encoding="utf-8")
+    shutil.copy(tokenizer_dir() / "tokenizer_config.json", folder / "tokenizer_config.json")
 
 
 @contextlib.contextmanager
@@ -293,6 +356,14 @@ def _single_file_pipeline_class(path: Path, allow_pickle: bool) -> str:
             # Memory-map where the format allows it (zip-based checkpoints): only a few tensors are read.
             mmap = zipfile.is_zipfile(path)
             checkpoint = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's message advises weights_only=False, which --allow-pickle does not mean.
+            detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", str(exc), re.S)
+            raise InputError(
+                f"cannot read {path.name} as a checkpoint of tensors: torch.load(weights_only=True) refused it"
+                + (f" ({detail.group(1).split('. ')[0]})" if detail else "")
+                + "; it is damaged, or holds other Python objects, which sdpatch does not load"
+            ) from None
         except Exception as exc:  # noqa: BLE001 (any failure here means "not a checkpoint")
             raise InputError(f"cannot read {path.name} as a checkpoint: {first_line(exc)}") from None
         checkpoint = checkpoint.get("state_dict", checkpoint)

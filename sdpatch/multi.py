@@ -67,8 +67,9 @@ from sdpatch.generate import (
     versions,
     write_json,
 )
-from sdpatch.memory import format_bytes, summarize, total
+from sdpatch.memory import format_bytes, plural, summarize, total
 from sdpatch.models import resolve_device
+from sdpatch.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,8 @@ class MultiReport:
         n = len(self.processes)
         head = (
             f"{self.model} · backend {self.backend} · {self.dtype} · "
-            f"{f'{size[0]}×{size[1]}' if size else 'native size'} · {r.steps} steps · "
-            f"{self.prompts} prompts × {r.num_images} image{'s' if r.num_images != 1 else ''} · "
+            f"{f'{size[0]}×{size[1]}' if size else 'native size'} · {plural(r.steps, 'step')} · "
+            f"{plural(self.prompts, 'prompt')} × {plural(r.num_images, 'image')} · "
             f"{n} process{'es' if n != 1 else ''}"
         )
         cuda = any(p["memory_kind"] == "cuda" for p in self.processes)
@@ -335,7 +336,7 @@ def run_prompts(
     overwrite: bool = False,
     report_json: Path | None = None,
     allow_pickle: bool = False,
-    progress: bool = True,
+    progress: Progress | bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
     cuda_graphs: bool | None = None,
     compile: bool = False,
@@ -400,7 +401,7 @@ def run_prompts(
             [(p, requests[p.index], outputs[p.index]) for p in mine],
             model=model,
             source=str(prompts_file),
-            progress=progress and state.is_main_process,
+            progress=Progress.of(progress) if state.is_main_process else Progress(enabled=False),
             on_image=on_image,
         )
         if not state.is_main_process:
@@ -439,7 +440,7 @@ def _check_report_paths(report_json: Path | None, folder: Path, outputs: list[li
     """The merged report's path, checked, with no partial reports of an earlier run beside it
     (unless ``overwrite``: those of an earlier run are then told apart by their run id)."""
     if report_json is not None:
-        check_output_file(report_json, overwrite=overwrite, what="--report-json")
+        check_output_file(report_json, overwrite=overwrite, what="--report-json", new_folder=folder)
         if report_json.resolve() in {path.resolve() for paths in outputs for path in paths}:
             raise InputError("--report-json must not be one of the image paths")
         path = report_json
@@ -481,7 +482,7 @@ def _run_share(
     *,
     model: str,
     source: str,
-    progress: bool,
+    progress: Progress,
     on_image: Callable[[ImageRecord], None] | None,
 ) -> None:
     """Generate this process's prompts, keeping its partial report at ``path`` up to date.
@@ -503,11 +504,11 @@ def _run_share(
     with _Heartbeat(path):
         try:
             if work:
-                pipe = setup.load()
+                pipe = setup.load(progress)
                 process.load_seconds = time.perf_counter() - start
-                notes = long_prompt_notes(pipe.tokenizer, [p for p, _, _ in work], source)
-                for prompt, request, outputs in work:
+                for done_prompts, (prompt, request, outputs) in enumerate(work):
                     current = prompt
+                    progress.context["prompt"] = f"prompt {done_prompts + 1}/{len(work)}"
 
                     def done(record: ImageRecord, prompt: Prompt = prompt) -> None:
                         process.images.append((prompt, record))
@@ -522,10 +523,11 @@ def _run_share(
                         model=model,
                         backend=setup.backend,
                         outputs=outputs,
-                        notes=[*setup.notes, *notes.get(prompt.index, [])],
+                        notes=setup.notes,
                         progress=progress,
                         on_image=done,
                         speed=setup.speed,
+                        prompt_label=f"{source} line {prompt.line}: the prompt",
                     )
                     process.size = (result.report.request.width, result.report.request.height)
                     process.patch = result.report.patch
@@ -550,25 +552,6 @@ def _record_failure(process: ProcessReport, prompt: Prompt | None, err: BaseExce
     process.status = "failed"
     process.error = f"{where}: {type(err).__name__}: {first_line(err)}"
     logger.error("process %d failed after %d image(s), at %s", process.rank, len(process.images), process.error)
-
-
-def long_prompt_notes(tokenizer: Any, prompts: list[Prompt], source: str) -> dict[int, list[str]]:
-    """Warn once for each prompt longer than the text encoder reads (diffusers truncates it);
-    returns the warning as a note for each such prompt's report, by prompt index."""
-    limit = tokenizer.model_max_length  # 77 for CLIP, with its start and end tokens
-    notes: dict[int, list[str]] = {}
-    for prompt in prompts:
-        ids = tokenizer(prompt.text, verbose=False).input_ids
-        if len(ids) <= limit:
-            continue
-        dropped = tokenizer.decode(ids[limit - 1 : limit + 7]).strip()
-        message = (
-            f"{source} line {prompt.line}: the prompt is {len(ids) - 2} tokens long and the text encoder reads "
-            f"only the first {limit - 2}: the rest (from {dropped + '…'!r}) is ignored"
-        )
-        logger.warning(message)
-        notes[prompt.index] = [message]
-    return notes
 
 
 def wait_for_processes(paths: dict[int, Path], run: str) -> dict[int, dict[str, Any]]:

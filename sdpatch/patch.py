@@ -282,7 +282,7 @@ def patch_unet(
         len(plan), backend, recompute, len(layers) - len(plan),
     )
     if cuda_graphs:
-        for note in speed.apply_speed(target, cuda_graphs=True, compile=False).notes:
+        for note in speed.speed_up(target, cuda_graphs=True, compile=False).notes:
             logger.warning("sdpatch: %s", note)
     return patch_report(target, include_vae=include_vae)
 

@@ -9,7 +9,7 @@
   attention is an opaque custom op inside the compiled blocks (:mod:`sdpatch.ops`). The graphs then
   capture the compiled blocks too.
 
-:func:`apply_speed` applies them; :func:`remove_speed` undoes the graphs (a compiled block stays
+:func:`speed_up` applies them; :func:`remove_speed` undoes the graphs (a compiled block stays
 compiled: ``torch.compile`` has no undo, and a compiled block computes what the eager one does).
 """
 
@@ -43,7 +43,7 @@ class SpeedSetup:
         return {"cuda_graphs": self.cuda_graphs, "compile": self.compile, "notes": list(self.notes)}
 
 
-def apply_speed(pipe: Any, *, cuda_graphs: bool, compile: bool) -> SpeedSetup:
+def speed_up(pipe: Any, *, cuda_graphs: bool, compile: bool) -> SpeedSetup:
     """Apply the levers to ``pipe``'s denoising components; returns what was applied.
 
     CUDA graphs need the components on a CUDA device and not offloaded; where they are not,
@@ -68,7 +68,7 @@ def apply_speed(pipe: Any, *, cuda_graphs: bool, compile: bool) -> SpeedSetup:
 
 
 def remove_speed(pipe: Any) -> Any:
-    """Undo :func:`apply_speed`'s graphs; returns ``pipe``."""
+    """Undo :func:`speed_up`'s graphs; returns ``pipe``."""
     for _, module in graphs.graphed_components(pipe):
         graphs.release(module)
     return pipe

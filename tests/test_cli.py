@@ -5,6 +5,8 @@ Everything runs the embedded ``tiny`` model on the CPU at 64 px and 2 steps, off
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import subprocess
@@ -65,6 +67,7 @@ def test_generate_writes_a_png_that_carries_its_record(tmp_path):
     assert record["phases"][1]["steps"] == 2 and record["phases"][1]["seconds_per_step"] > 0
     assert record["memory"]["kind"] == "host"
     assert record["weights_bytes"] > 0
+    assert record["complete"] is True  # the image's own record, finished as the file is written
 
     data = json.loads(report.read_text())
     assert data["complete"] is True
@@ -284,3 +287,206 @@ def test_console_script_info_and_python_dash_m(tmp_path):
     assert info.returncode == 0 and "chunked" in info.stdout
     helped = _script(sys.executable, "-m", "sdpatch", "generate", "--help", cwd=tmp_path)
     assert helped.returncode == 0 and "random" in helped.stdout
+
+
+# -- issue 32: start-up, help, failures after the work, honest reports -----------------------------
+
+PARSE_ONLY = [
+    pytest.param(["--help"], 0, id="help"),
+    pytest.param(["--version"], 0, id="version"),
+    pytest.param(["generate", "--help"], 0, id="generate-help"),
+    pytest.param(["genrate", "a cat"], 2, id="typo"),
+    pytest.param(["generate", "a cat", "-H", "63"], 2, id="height-63"),
+    pytest.param(["generate", "a cat", "--steps", "0"], 2, id="steps-0"),
+    pytest.param(["compare", "--sizes", "63"], 2, id="compare-sizes-63"),
+]
+
+
+@pytest.mark.parametrize("args, code", PARSE_ONLY)
+def test_parsing_and_checking_arguments_imports_neither_torch_nor_diffusers(args, code):
+    program = (
+        "import sys\n"
+        "from sdpatch.cli import main\n"
+        f"sys.argv = ['sdpatch', *{args!r}]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exit:\n"
+        "    print('exit', exit.code, 'torch' in sys.modules, 'diffusers' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == f"exit {code} False False", (result.stdout, result.stderr)
+
+
+def test_version():
+    from sdpatch import __version__
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout == f"sdpatch {__version__}\n"
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["compare"]], ids=["top", "generate", "compare"])
+def test_help_shows_flags_as_flags_and_the_exit_codes(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert "<bool>" not in result.stdout
+    assert "Exit codes:" in result.stdout and "3    --vram-budget missed" in result.stdout
+    if command == ["generate"]:
+        flags = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  --")}
+        assert {"--overwrite", "--allow-pickle", "--best-effort"} <= flags
+        assert "p0000-s0.png" in result.stdout  # how a prompts file's images are named
+
+
+def test_a_flag_takes_no_value():
+    result = invoke("generate", "a cat", *FAST, "--overwrite", "true")
+    assert result.exit_code == 2 and "unexpected extra argument" in result.stderr
+
+
+def test_an_unwritable_output_folder_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc")
+    monkeypatch.setattr("sdpatch.generate.load_pipeline", lambda *a, **k: pytest.fail("loaded a model"))
+    result = invoke("generate", "a cat", *FAST, "-o", "/proc/a.png")  # a folder that passes os.access as root
+    assert result.exit_code == 2
+    assert result.stderr.startswith("sdpatch: error: --output: cannot write in folder /proc: ")
+
+
+def _disk_full_after(monkeypatch, images: int) -> None:
+    """Make every PNG save after the first ``images`` fail as on a full disk."""
+    real = Image.Image.save
+    saved = []
+
+    def save(self, fp, *args, **kwargs):
+        if kwargs.get("format") == "PNG" and len(saved) >= images:
+            fp.write(b"\x89PNG half an image")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        saved.append(fp)
+        return real(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+
+
+FULL_DISK = [
+    pytest.param(1, 0, "", id="one-image"),
+    pytest.param(3, 1, "; the 1 image written before it is kept", id="second-of-three"),
+]
+
+
+@pytest.mark.parametrize("num_images, written, kept", FULL_DISK)
+def test_a_full_disk_at_the_end_is_one_line_exit_2_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, num_images, written, kept
+):
+    _disk_full_after(monkeypatch, written)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    args = ["--num-images", str(num_images), "-o", str(out), "--report-json", str(report)]
+    result = invoke("generate", "a cat", *FAST, *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1
+    failed = out / f"sdpatch-{written}.png"
+    assert result.stderr == f"sdpatch: error: cannot write {failed}: No space left on device{kept}\n"
+    assert sorted(p.name for p in out.iterdir()) == [f"sdpatch-{i}.png" for i in range(written)]  # no .tmp
+    for i in range(written):
+        Image.open(out / f"sdpatch-{i}.png").load()
+    data = json.loads(report.read_text())
+    assert data["complete"] is False and len(data["images"]) == written
+
+
+def _host_oom(*args, **kwargs):
+    raise RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 17179869184 bytes."
+    )
+
+
+HOST_OOM = [
+    pytest.param("diffusers.AutoencoderKL.decode", "in VAE decode", id="vae-decode"),
+    pytest.param("sdpatch.generate.load_pipeline", "while building tiny", id="model-build"),
+]
+
+
+@pytest.mark.parametrize("target, where", HOST_OOM)
+def test_running_out_of_host_memory_names_the_phase_and_the_need(tmp_path, monkeypatch, target, where):
+    monkeypatch.setattr(target, _host_oom)
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"))
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sdpatch: error: out of host memory {where}: ")
+    assert "it asked for 16.00 GiB more" in lines[0] and "--vram-budget" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "best_effort, code", [pytest.param([], 3, id="missed"), pytest.param(["--best-effort"], 0, id="best-effort")]
+)
+def test_a_run_that_misses_its_budget_exits_3_unless_best_effort(tmp_path, monkeypatch, best_effort, code):
+    # The plan fits 1000 GiB easily; the measured peak is made to exceed it.
+    monkeypatch.setattr("sdpatch.memory.host_peak_bytes", lambda: 2000 * 1024**3)
+    result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--vram-budget", "1000", *best_effort)
+    assert result.exit_code == code, result.output
+    assert "missed the budget by 1000.00 GiB" in result.stdout
+    assert (tmp_path / "a.png").is_file()
+    if code:
+        assert result.stderr == (
+            "sdpatch: error: the run missed --vram-budget 1000 GiB: measured 2000.00 GiB, 1000.00 GiB over "
+            "(pass --best-effort to accept a miss)\n"
+        )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_one_progress_line_follows_the_phases_on_a_terminal_only(tmp_path, monkeypatch):
+    from sdpatch.progress import Progress
+
+    request = GenerationRequest("a cat", height=64, width=64, steps=2, num_images=2)
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with Progress() as progress:
+        run(request, device="cpu", output=tmp_path / "out", progress=progress)
+    shown = sys.stderr.getvalue()
+    for label in ("building tiny on cpu", "image 1/2 · text encoding", "image 2/2 · denoising: ", "VAE decode"):
+        assert label in shown
+    assert "it/s" in shown  # the denoising steps' bar, not diffusers' own
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: nothing
+    with Progress() as progress:
+        run(request, device="cpu", output=tmp_path / "again", progress=progress)
+    assert sys.stderr.getvalue() == ""
+
+
+def test_a_successful_run_in_a_pipe_prints_nothing_on_stderr(tmp_path):
+    result = invoke("generate", "a cat", *FAST, "--steps", "1", "-o", str(tmp_path / "a.png"))
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "64×64 · 1 step · 1 image" in result.stdout
+
+
+def test_a_long_prompt_is_warned_about_and_kept_only_as_far_as_it_is_read(tmp_path):
+    from sdpatch.models import build_preset
+
+    prompt = "a tall lighthouse on a rocky coast at dusk, " * 500  # 22,000 characters
+    out = tmp_path / "a.png"
+    result = invoke("generate", prompt, *FAST, "-o", str(out))
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: the prompt is ")]
+    assert len(notes) == 1 and "the text encoder reads only the first 75" in notes[0]
+    text = Image.open(out).text
+    kept = text["prompt"]
+    assert prompt.startswith(kept) and len(kept) < 1000 and len(text["sdpatch"]) < 20_000
+    assert json.loads(text["sdpatch"])["request"]["prompt"] == kept
+    tokenizer = build_preset("tiny").tokenizer  # the kept part reads as the prompt did
+    ids = [tokenizer(t, truncation=True, max_length=77).input_ids for t in (prompt, kept)]
+    assert ids[0] == ids[1]
+
+
+def test_report_json_may_go_into_the_new_output_folder(tmp_path):
+    out = tmp_path / "out"
+    result = invoke("generate", "a cat", *FAST, "-o", f"{out}/", "--report-json", str(out / "r.json"))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["r.json", "sdpatch-0.png"]
+
+
+def test_redrawing_a_missing_report_exits_2(tmp_path):
+    command = [sys.executable, "-m", "sdpatch.compare", str(tmp_path / "nothing")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("sdpatch: error: cannot read ") and result.stderr.count("\n") == 1

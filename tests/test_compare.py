@@ -7,6 +7,7 @@ with hooks on the pipeline's modules, keyed on which attention processor is in p
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -159,10 +160,11 @@ def test_report_json_holds_every_number(full_run):
         assert c["reference"] == "stock"
         assert c["images"] == [f"images/{c['backend']}-{c['size']}.png"]
         psnr = c["psnr_db"]
-        assert psnr == "inf" or psnr >= 40, (c["backend"], c["size"], psnr)
+        assert (psnr is None and c["max_abs_diff"] == 0) or psnr >= 40, (c["backend"], c["size"], psnr)
         assert c["max_abs_diff"] <= 2
         if c["backend"] == "stock":
-            assert (psnr, c["max_abs_diff"]) == ("inf", 0)
+            assert (psnr, c["max_abs_diff"]) == (None, 0)  # identical: JSON has no infinity
+            assert c["recheck_seconds_per_step"] > 0  # timed again after the size's other cells
 
     check = report["baseline_check"]
     assert check["equal"] is True and check["cells"] == 10
@@ -213,7 +215,7 @@ def test_each_image_carries_its_cell_record(full_run):
     assert image.size == (128, 128)
     assert (image.text["backend"], image.text["size"], image.text["model"]) == ("sdpa", "128x128", "tiny")
     record = json.loads(image.text["sdpatch"])
-    assert record["backend"] == "sdpa" and record["psnr_db"] is not None
+    assert record["backend"] == "sdpa" and record["max_abs_diff"] is not None
 
 
 # -- switching backends ----------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def test_out_of_memory_is_a_result_and_the_run_goes_on(tmp_path, monkeypatch, ba
     # Phases before the failure, and the failed one up to the failure, are recorded.
     assert [p["name"] for p in failed["phases"]][-1] == phase
     assert all(c["status"] == "ok" for key, c in cells.items() if key != (backend, 128))
-    assert cells[("chunked", 128)]["psnr_db"] == "inf" or cells[("chunked", 128)]["psnr_db"] >= 40
+    assert cells[("chunked", 128)]["max_abs_diff"] == 0 or cells[("chunked", 128)]["psnr_db"] >= 40
     assert report["baseline_check"]["equal"] is True  # the failed cell's memory was released
 
     md = (out / "report.md").read_text()
@@ -316,7 +318,7 @@ def test_another_error_is_recorded_and_the_exit_code_says_so(tmp_path, monkeypat
     out = tmp_path / "err"
     result = invoke("compare", *FAST, "--sizes", "64", "--backends", "stock,sdpa,chunked", "--out", str(out))
     assert result.exit_code == 1
-    assert "1 cell(s) failed with an error other than out of memory" in result.stderr
+    assert "1 cell failed with an error other than out of memory" in result.stderr
     report = strict_json(out / "report.json")
     sdpa = report["cells"][1]
     assert (sdpa["status"], sdpa["failure"], sdpa["message"]) == ("error", "error in denoising", "kernel exploded")
@@ -512,7 +514,10 @@ def test_image_difference_and_json_safe_psnr():
     assert image_difference([a], [a]) == (0, math.inf)
     diff, psnr = image_difference([b], [a])
     assert diff == 3 and psnr == pytest.approx(10 * math.log10(255**2 / 9))
-    assert compare_lib._json_float(math.inf) == "inf" and compare_lib._json_float(1.5) == 1.5
+    assert compare_lib._json_psnr(math.inf) is None and compare_lib._json_psnr(1.5) == 1.5
+    assert compare_lib._psnr_value(None, 0) == math.inf and compare_lib._psnr_value(None, None) is None
+    assert compare_lib._psnr_value("inf", 0) == math.inf  # as the reports under docs/compare/ hold it
+    assert compare_lib._format_psnr(math.inf) == "inf dB"  # in the table, the summary and the grid alike
 
 
 def test_vram_cap_is_a_fraction_of_the_gpu_and_refused_off_cuda(monkeypatch):
@@ -626,3 +631,70 @@ def test_more_steps_than_the_scheduler_has_is_refused_before_anything_is_written
     assert result.exit_code == 2
     assert result.stderr.strip() == "sdpatch: error: --steps must be at most 1000 for tiny, got 1001"
     assert list(tmp_path.iterdir()) == []
+
+
+def timed(backend: str, steady: list[float], recheck: float | None = None) -> compare_lib.Cell:
+    """A 64² cell whose denoising steps after the first took ``steady`` seconds."""
+    phases = [compare_lib.PhaseStats("denoising", 1, step_seconds=[1.0, *steady])]
+    return compare_lib.Cell(backend, 64, phases=phases, reference="stock", recheck_seconds_per_step=recheck)
+
+
+TIMINGS = [
+    pytest.param([timed("stock", [0.100, 0.104], 0.103), timed("naive", [0.20, 0.21])], [], id="steady"),
+    pytest.param(
+        [timed("stock", [0.100, 0.101], 0.1), timed("naive", [0.2])], ["naive: one timed step"], id="one-step"
+    ),
+    pytest.param(
+        [timed("stock", [0.100, 0.101], 0.1), timed("naive", [0.20, 0.30])],
+        ["step times spread: naive ±20 %"],
+        id="wide-spread",
+    ),
+    pytest.param(
+        [timed("stock", [0.100, 0.100], 0.150), timed("naive", [0.20, 0.20])],
+        ["stock took 0.100 s/step first and 0.150 after the other cells"],
+        id="reference-drifted",
+    ),
+]
+
+
+@pytest.mark.parametrize("cells, reasons", TIMINGS)
+def test_timing_check_says_when_a_size_is_too_noisy_to_rank(tmp_path, cells, reasons):
+    report = compare_lib.CompareReport(
+        model="tiny", settings=CompareSettings(sizes=(64,)), sizes=[64], backends=["stock", "naive"],
+        reference="stock", out_dir=tmp_path, device="cpu", device_name="CPU", dtype="float32",
+        memory_kind="host", weights={}, environment={}, complete=True,
+    )  # fmt: skip
+    report.cells = cells
+    (check,) = report.timing_check()
+    assert check["rankable"] == (not reasons)
+    assert [r for r in check["reasons"] if not any(r.startswith(x) for x in reasons)] == []
+    assert len(check["reasons"]) == len(reasons)
+    md = report.to_markdown()
+    if reasons:
+        assert "timings at 64² are too noisy to rank the backends" in md and reasons[0] in md
+    else:
+        assert "the backends can be ranked by s/step" in md
+        assert "0.102 s/step ±2 %" in report.main_table()
+
+
+def test_the_cli_run_warms_up_and_says_its_two_step_timings_cannot_rank(full_run):
+    report = strict_json(full_run.out / "report.json")
+    assert [c["rankable"] for c in report["timing_check"]] == [False, False]  # --steps 2: one timed step each
+    assert "timings at 64² are too noisy to rank the backends" in full_run.result.stdout
+    assert "one untimed step of stock ran before the first cell" in (full_run.out / "report.md").read_text()
+
+
+def test_compare_shows_one_bar_over_its_cells_on_a_terminal(tmp_path, monkeypatch):
+    from sdpatch.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    settings = CompareSettings(sizes=(64,), backends=("stock", "sdpa"), steps=1)
+    with Progress() as progress:
+        compare_lib.run(settings, device="cpu", out=tmp_path / "o", progress=progress)
+    shown = sys.stderr.getvalue()
+    for label in ("building tiny on cpu", "warm-up: stock at 64²", "cells: 0/2", "64² sdpa: 1/2", "64² stock again"):
+        assert label in shown

@@ -14,7 +14,17 @@ from safetensors.torch import save_file
 from sdpatch.errors import InputError
 from sdpatch.generate import measured_call
 from sdpatch.memory import MemoryMeter
-from sdpatch.models import build_preset, load_pipeline, resolve_device, resolve_dtype, resolve_model
+from sdpatch.generate import check_setup
+from sdpatch.models import (
+    build_preset,
+    clip_bpe_file,
+    load_pipeline,
+    preset_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+    tokenizer_note,
+)
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +349,30 @@ def test_library_use_drops_only_transformers_torchvision_notices():
         pytest.skip("this transformers logs no torchvision fallback notice")
     err = stderr(LIBRARY_IMPORTS["sdpatch"])
     assert notice not in err and "my own warning" in err
+
+# -- tokenizers ----------------------------------------------------------------------------------
+
+needs_clip = pytest.mark.skipif(clip_bpe_file() is None, reason="open-clip-torch (CLIP's BPE merges) is not installed")
+
+
+@needs_clip
+def test_full_size_presets_tokenize_as_clip():
+    tokenizer = preset_tokenizer("sd15")
+    assert len(tokenizer) == 49408 and tokenizer.model_max_length == 77
+    assert tokenizer("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]  # CLIP's ids
+    long = tokenizer(" ".join(["a tall lighthouse on a rocky coast"] * 20), truncation=True).input_ids
+    assert len(long) == 77 and long[-1] == 49407
+    assert preset_tokenizer("sdxl", pad_token="!").pad_token_id == 0  # SDXL's second tokenizer pads with "!"
+    assert check_setup(model="sd15", backend="stock", device="cpu", dtype="auto", allow_pickle=False).notes == []
+
+
+def test_without_clips_vocabulary_a_full_size_preset_says_its_token_counts_are_not_clips(monkeypatch):
+    monkeypatch.setattr("sdpatch.models.clip_bpe_file", lambda: None)
+    assert len(preset_tokenizer("sd15")) == 533
+    (note,) = check_setup(model="sdxl", backend="stock", device="cpu", dtype="auto", allow_pickle=False).notes
+    assert note.startswith("the sdxl preset tokenizes with sdpatch's 533-entry stand-in vocabulary, not CLIP's")
+    assert tokenizer_note("tiny") is None  # tiny's text encoder has the stand-in's 533 entries
+
+
+def test_tiny_keeps_its_own_vocabulary():
+    assert len(preset_tokenizer("tiny")) == 533

@@ -10,6 +10,7 @@ three (success, a failing process, a killed process).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -124,13 +125,16 @@ def test_prompts_file_in_one_process(tmp_path, caplog):
     prompts = write_prompts(tmp_path / "prompts.txt", ["# shapes", PROMPTS[0], "", PROMPTS[1], long_line])
     out = tmp_path / "out"
     args = ["--prompts-file", str(prompts), *FAST, "--seed", "10", "--num-images", "2", "-o", str(out)]
-    with caplog.at_level(logging.WARNING, logger="sdpatch.multi"):
+    with caplog.at_level(logging.WARNING, logger="sdpatch.generate"):
         result = invoke("generate", *args)
     assert result.exit_code == 0, (result.output, result.exception)
 
     names = ["p0000-s10.png", "p0000-s11.png", "p0001-s12.png", "p0001-s13.png", "p0002-s14.png", "p0002-s15.png"]
     assert pngs(out) == names
-    assert [Image.open(out / n).text["prompt"] for n in names] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2 + [long_line] * 2
+    stored = [Image.open(out / n).text["prompt"] for n in names]
+    assert stored[:4] == [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    # The long prompt is kept up to what the text encoder reads.
+    assert stored[4] == stored[5] and long_line.startswith(stored[4]) and len(stored[4]) < len(long_line)
     assert "3 prompts × 2 images · 1 process" in result.stdout and "6/6" in result.stdout
 
     report = json.loads((out / "sdpatch-report.json").read_text())
@@ -143,7 +147,7 @@ def test_prompts_file_in_one_process(tmp_path, caplog):
     assert report["processes"][0]["image_count"] == 6 and report["processes"][0]["peak_host"] > 0
     assert json.loads((out / "sdpatch-report.rank0.json").read_text())["status"] == "done"
 
-    warnings = [r.getMessage() for r in caplog.records if r.name == "sdpatch.multi" and r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sdpatch.generate" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(f"{prompts} line 5: the prompt is ")
     assert "only the first 75" in warnings[0]
     assert json.loads(Image.open(out / "p0002-s14.png").text["sdpatch"])["notes"] == warnings
@@ -193,11 +197,12 @@ def test_two_processes_make_the_same_images_as_one(tmp_path, launch):
 
 
 def test_a_failing_process_ends_the_launch_with_an_error_and_keeps_finished_images(tmp_path, launch):
-    """Process 1 has prompts 3-5. Prompt 4 is a valid prompt, but its image carries it in its
-    metadata, and the launch runs under a file-size limit (as a quota would impose) that the
-    PNG exceeds: the write fails mid-run in process 1 only."""
+    """Process 1 has prompts 3-5. Prompt 4 is a valid prompt, but its image carries the part of it
+    that the text encoder reads in its metadata, and the launch runs under a file-size limit (as a
+    quota would impose) that the PNG exceeds: the write fails mid-run in process 1 only."""
     limit = 256 * 1024
-    huge = " ".join(f"w{i % 50}" for i in range(40_000))  # about 150 KB, written twice into the PNG
+    # One token a word, 4 KB of spaces between words: the 75 tokens read span 300 KB.
+    huge = (" " * 4000).join(["a"] * 80)
     prompts = write_prompts(tmp_path / "prompts.txt", [*PROMPTS[:4], huge, PROMPTS[4]])
     out = tmp_path / "out"
     proc = launch(
@@ -222,8 +227,9 @@ def test_a_failing_process_ends_the_launch_with_an_error_and_keeps_finished_imag
     statuses = [(p["rank"], p["status"], p["image_count"]) for p in report["processes"]]
     assert statuses == [(0, "done", 3), (1, "failed", 1)]
     [failed] = report["failed"]
-    assert failed["rank"] == 1 and failed["error"] == "prompt 4 (line 5): OSError: [Errno 27] File too large"
-    assert "failed: prompt 4 (line 5): OSError" in stdout
+    assert failed["rank"] == 1
+    assert failed["error"] == f"prompt 4 (line 5): OutputError: cannot write {out / 'p0004-s4.png'}: File too large"
+    assert "failed: prompt 4 (line 5): OutputError" in stdout
 
 
 def test_a_killed_process_does_not_leave_the_launch_hanging(tmp_path, launch):
@@ -242,6 +248,28 @@ def test_a_killed_process_does_not_leave_the_launch_hanging(tmp_path, launch):
     assert json.loads(partial.read_text())["status"] == "running"  # it never got to say so
     for name in pngs(out):
         Image.open(out / name).load()
+
+
+def test_a_full_disk_fails_the_prompt_it_hits_and_keeps_the_images_before_it(tmp_path, monkeypatch):
+    real, saved = Image.Image.save, []
+
+    def save(self, fp, *args, **kwargs):  # the second PNG finds the disk full
+        if kwargs.get("format") == "PNG" and len(saved) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        saved.append(fp)
+        return real(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    prompts = write_prompts(tmp_path / "prompts.txt", PROMPTS[:3])
+    out = tmp_path / "out"
+    result = invoke("generate", "--prompts-file", str(prompts), *FAST, "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert pngs(out) == ["p0000-s0.png"] and list(out.glob(".*.tmp")) == []
+    assert "3 prompts × 1 image · 1 process" in result.stdout
+    [failed] = json.loads((out / "sdpatch-report.json").read_text())["failed"]
+    assert failed["error"] == (
+        f"prompt 1 (line 2): OutputError: cannot write {out / 'p0001-s1.png'}: No space left on device"
+    )
 
 
 def test_one_prompt_under_a_launch_is_refused(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fractions
 import importlib
 import json
 import logging
@@ -546,6 +547,7 @@ HOSTILE = [
     bad("report-json-is-the-image", in_tmp("-o", "{d}/a.png", "--report-json", "{d}/a.png"), "must not be one of"),
     # models
     bad("unknown-preset", ["-m", "sd99"], "unknown model 'sd99'"),
+    bad("model-empty", ["-m", ""], "--model is empty: use a preset"),
     bad("hub-model-not-cached", ["-m", "someone/uncached-model"], "not in the Hugging Face cache"),
     bad("model-file-missing", in_tmp("-m", "{d}/missing.safetensors"), "does not exist"),
     bad("model-file-wrong-kind", existing("weights.txt", "-m", "{d}/weights.txt"), "is not a .safetensors or .ckpt"),
@@ -561,6 +563,12 @@ HOSTILE = [
     ),
     bad("ckpt-without-allow-pickle", model_file("m.ckpt", {SD_KEY: torch.zeros(320, 4, 3, 3)}), "--allow-pickle"),
     bad("ckpt-random-bytes", model_file("m.ckpt", os.urandom(4096), "--allow-pickle"), "cannot read m.ckpt"),
+    bad(  # torch's own message advises weights_only=False; sdpatch's says what it means for this file
+        "ckpt-of-other-objects",
+        model_file("m.ckpt", {SD_KEY: fractions.Fraction(1, 3)}, "--allow-pickle"),
+        "torch.load(weights_only=True) refused it (Unsupported global: GLOBAL fractions.Fraction was not an "
+        "allowed global by default); it is damaged, or holds other Python objects, which sdpatch does not load",
+    ),
     bad("ckpt-empty", model_file("m.ckpt", b"", "--allow-pickle"), "cannot read m.ckpt"),
     bad("folder-without-model-index", model_folder(None), "not a diffusers model folder"),
     bad("folder-with-broken-model-index", model_folder("{not json"), "cannot read"),

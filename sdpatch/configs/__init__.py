@@ -6,8 +6,8 @@
   stabilityai's SD 2.1 and SDXL base 1.0, as diffusers and transformers publish them.
 - ``tokenizer/``: a byte-level CLIP BPE vocabulary (the 256 byte symbols, their end-of-word
   forms, a few merges and CLIP's two special tokens). Every byte string tokenizes, but it is not
-  CLIP's real vocabulary: it serves models with random weights, where the prompt's content does
-  not matter.
+  CLIP's real vocabulary: it serves ``tiny``, and the full-size presets where CLIP's own is not
+  installed (:func:`sdpatch.models.preset_tokenizer`), which their reports then say.
 
 Each preset folder holds one ``<component>.json`` per component; ``_class_name`` names the class.
 """
