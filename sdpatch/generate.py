@@ -42,7 +42,7 @@ from sdpatch.models import (
     resolve_dtype,
     resolve_model,
 )
-from sdpatch.planner import fit, parse_budget, plan_lines
+from sdpatch.planner import Plan, fit, parse_budget, plan_from_configs, plan_lines, weight_levers
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +397,7 @@ def run(
     on_image: Callable[[ImageRecord], None] | None = None,
     vram_budget: float | str | None = None,
     best_effort: bool = False,
+    allow_fp8: bool = False,
 ) -> GenerationResult:
     """What ``sdpatch generate`` does: check every input, then load, patch and generate.
 
@@ -404,12 +405,15 @@ def run(
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
     ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
     before generating; a budget that cannot be met raises InputError then, unless ``best_effort``.
+    A plan that moves weights off the GPU (planned from the configs first) loads the model on the
+    CPU, so that the weights reach the GPU only as the plan places them. ``allow_fp8``: the plan
+    may store the UNet's weights in fp8 (approximate).
     """
     request.validate()
     if vram_budget is not None:
         parse_budget(vram_budget)
-    elif best_effort:
-        raise InputError("--best-effort is only used with --vram-budget")
+    elif best_effort or allow_fp8:
+        raise InputError(f"{'--best-effort' if best_effort else '--allow-fp8'} is only used with --vram-budget")
     setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle)
     outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
     if report_json is not None:
@@ -417,7 +421,12 @@ def run(
         if report_json.resolve() in {p.resolve() for p in outputs}:
             raise InputError("--report-json must not be one of the image paths")
 
-    pipe = setup.load()
+    cfg = request.guidance_scale > 1  # diffusers' rule for classifier-free guidance
+    on_cpu_first = False
+    if vram_budget is not None and setup.device.type == "cuda" and parse_budget(vram_budget) != "auto":
+        ahead = dry_run(request, model=model, device=str(setup.device), dtype=dtype, vram_budget=vram_budget, allow_fp8=allow_fp8)
+        on_cpu_first = weight_levers(ahead.levers)
+    pipe = setup.load(torch.device("cpu") if on_cpu_first else None)
     plan = None
     if vram_budget is not None:
         size = default_size(pipe)
@@ -426,8 +435,10 @@ def run(
             vram_budget,
             height=request.height or size,
             width=request.width or size,
-            cfg=request.guidance_scale > 1,  # diffusers' rule for classifier-free guidance
+            cfg=cfg,
             best_effort=best_effort,
+            device=setup.device,
+            allow_fp8=allow_fp8,
         ).to_dict()
     try:
         return generate(
@@ -446,6 +457,46 @@ def run(
         raise InputError(str(err)) from err
 
 
+def dry_run(
+    request: GenerationRequest,
+    *,
+    model: str = "tiny",
+    device: str = "cuda",
+    dtype: str = "auto",
+    vram_budget: float | str,
+    allow_fp8: bool = False,
+    allow_pickle: bool = False,
+    batch: int = 1,
+) -> Plan:
+    """The ``--vram-budget`` plan of a run from the model's configs alone, without weights and
+    without touching the device: ``sdpatch plan`` and ``generate --dry-run``. ``device`` is only
+    parsed (``cuda`` plans for a GPU this machine need not have)."""
+    from sdpatch.models import build_from_configs
+
+    request.validate()
+    name = device.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if target.type not in ("cpu", "cuda"):
+        raise InputError(f"a plan is for cpu or cuda, not {device!r}")
+    torch_dtype, _ = resolve_dtype(dtype, target)
+    pipe = build_from_configs(resolve_model(model, allow_pickle=allow_pickle), dtype=torch_dtype)
+    return plan_from_configs(
+        pipe,
+        vram_budget,
+        device=str(target),
+        height=request.height,
+        width=request.width,
+        batch=batch,
+        cfg=request.guidance_scale > 1,
+        allow_fp8=allow_fp8,
+    )
+
+
 @dataclass(frozen=True)
 class Setup:
     """What a run loads and where, checked by :func:`check_setup` without loading anything."""
@@ -456,12 +507,13 @@ class Setup:
     dtype: torch.dtype
     notes: list[str]
 
-    def load(self) -> Any:
-        """Load the pipeline on its device and patch it with the backend."""
+    def load(self, device: torch.device | None = None) -> Any:
+        """Load the pipeline on its device (or on ``device``, e.g. the CPU for a plan that places
+        the weights on the GPU itself) and patch it with the backend."""
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
-        pipe = load_pipeline(self.source, device=self.device, dtype=self.dtype)
+        pipe = load_pipeline(self.source, device=device or self.device, dtype=self.dtype)
         apply_backend(pipe, self.backend)
         return pipe
 
