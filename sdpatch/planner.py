@@ -1285,8 +1285,14 @@ def plan_for(
             f"a size's first run autotunes the Triton kernels, with up to {format_bytes(TRITON_AUTOTUNE_SCRATCH)} "
             "more in its first denoising step (not in the estimate; autotune results are then kept on disk)"
         )
+    if device.cuda:
+        # An unavailable lever matters where the plan fails or takes a costlier one instead.
+        last = max((LEVER_ORDER.index(t) for t in taken), default=-1)
+        for i, lever in enumerate(LEVER_ORDER):
+            why = lever_unavailable(lever)
+            if why and (current.peak > budget or i < last):
+                notes.append(f"{lever.replace('_', ' ')} is unavailable: {why}")
     if device.cuda and current.peak > budget:
-        notes += [f"{lever.replace('_', ' ')} is unavailable: {why}" for lever in LEVER_ORDER if (why := lever_unavailable(lever))]
         if not allow_fp8 and not lever_unavailable("fp8_storage"):
             with_fp8 = plan_for(spec, shape, budget, device, allow_fp8=True)
             if with_fp8.estimate.peak < current.peak:
