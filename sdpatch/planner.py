@@ -1578,6 +1578,7 @@ def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None
 
     remove_plan(pipe)
     levers = plan.levers if isinstance(plan, Plan) else plan
+    moving = device is not None  # the caller names the run device: every model goes there
     device = torch.device(device) if device is not None else pipe._execution_device
     undo: list[Callable[[], None]] = []
     notes: list[str] = []
@@ -1611,7 +1612,7 @@ def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None
         undo.append(_restorer([(vae, "use_tiling"), (vae, "tile_sample_min_size"), (vae, "tile_latent_min_size")]))
         vae.enable_tiling()
         vae.tile_sample_min_size, vae.tile_latent_min_size = levers.vae_tile, levers.vae_tile // pipe.vae_scale_factor
-    _place_weights(pipe, levers, device, undo)
+    _place_weights(pipe, levers, device, undo, moving)
     setattr(pipe, _APPLIED, undo)
     return notes
 
@@ -1624,12 +1625,14 @@ def weight_levers(levers: Levers) -> bool:
 _WEIGHT_LEVERS = ("text_encoder_offload", "cpu_offload", "group_offload", "fp8_storage", "sequential_offload")
 
 
-def _place_weights(pipe: Any, levers: Levers, device: torch.device, undo: list[Callable[[], None]]) -> None:
+def _place_weights(
+    pipe: Any, levers: Levers, device: torch.device, undo: list[Callable[[], None]], moving: bool
+) -> None:
     """The weight levers, through diffusers' and accelerate's own offloading and casting; each
     step's undo goes on ``undo``. Every model ends on ``device`` or under a hook that brings its
     weights there when it runs."""
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-    elsewhere = any(p.device != device for c in modules.values() for p in c.parameters())
+    elsewhere = moving and any(p.device != device for c in modules.values() for p in c.parameters())
     if not weight_levers(levers) and not elsewhere:
         return
     # Last undone: each model back where it was, its hooks' instance attributes gone, and the
