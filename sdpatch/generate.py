@@ -437,7 +437,7 @@ def run(
             width=request.width or size,
             cfg=cfg,
             best_effort=best_effort,
-            device=setup.device,
+            device=setup.device if on_cpu_first else None,
             allow_fp8=allow_fp8,
         ).to_dict()
     try:

@@ -573,7 +573,7 @@ def test_best_effort_needs_a_budget(tmp_path):
 
 
 def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(planner, "device_state", lambda pipe, spec: DeviceState())
+    monkeypatch.setattr(planner, "device_state", lambda pipe, spec, device=None: DeviceState())
     request = GenerationRequest("a cat", height=512, width=512, steps=1)
     result = run(request, device="cpu", output=tmp_path, vram_budget=20 / 1024)
     plan = result.report.plan
@@ -584,7 +584,7 @@ def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
 
 
 def test_compare_gains_a_planned_column_with_each_levers_psnr(monkeypatch, tmp_path):
-    monkeypatch.setattr(planner, "device_state", lambda pipe, spec: DeviceState())
+    monkeypatch.setattr(planner, "device_state", lambda pipe, spec, device=None: DeviceState())
     out = tmp_path / "cmp"
     args = ["compare", "--model", "tiny", "--device", "cpu", "--steps", "2", "--sizes", "256", "--no-warmup"]
     budget = str(14 / 1024)  # 14 MiB, 7 of them weights: split CFG and tiled decode
