@@ -62,6 +62,19 @@ CONV_WORKSPACE = 1.0
 # underestimated SDXL 2048 px with an 8 GiB budget by 5 % (8.40 GiB reserved against 7.96), so
 # the plan missed its budget; 1.16 would have estimated 8.07 and added split CFG.
 RESERVE_OVER_ACTIVATIONS = {True: 1.16, False: 1.90}
+# On the host the budget is the process's resident memory, which holds more than the tensors do:
+# glibc's heap keeps freed blocks below its (growing) mmap threshold, oneDNN reorders each
+# convolution's input and output (as CONV_WORKSPACE models) and its weights into blocked layouts
+# outside PyTorch's allocator, and a first call maps code and JIT-compiles kernels. Measured on the
+# CPU (torch 2.13, glibc, 1 thread, fp32, 2026-12-01): with MALLOC_MMAP_THRESHOLD_ fixed, resident
+# memory over the liveness peak was a first call's 14-20 MiB (tiny) and 63-86 MiB (sd15 at 256 px:
+# its largest convolution's weights, 118 MiB in fp32, are reordered); glibc's default adds
+# 0.3-1.9x the activations. 1.5x the activations with the convolutions' workspace, the largest
+# convolution's weights and HOST_FIRST_RUN: sd15 256 px (issue 32's case, 4.63 GiB estimated,
+# 4.82-4.90 measured) is estimated within +1 %, tiny at 128-512 px within -4...+6 % (the tiny
+# 256 px decode is the one under).
+HOST_RESERVE_OVER_ACTIVATIONS = 1.5
+HOST_FIRST_RUN = 16 * MIB
 # Triton's autotuner benchmarks with a 256 MB L2-flush buffer (triton.testing.do_bench): the
 # README's first sd15 run shows it, 2.34 GiB denoising peak against 1.99 + 0.13 GiB.
 TRITON_AUTOTUNE_SCRATCH = 256 * 10**6
@@ -685,10 +698,15 @@ def estimate(
     """Peak memory of each phase of one pipeline call of ``shape`` with ``levers`` in place."""
     spec = replace(spec, attention=_attention_costs(spec, levers))
     expandable = levers.expandable_segments or device.expandable_segments
-    reserve = RESERVE_OVER_ACTIVATIONS[expandable] if device.cuda else 1.0
+    reserve = RESERVE_OVER_ACTIVATIONS[expandable]
     micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
     unet, unet_site = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=device.cuda)
     decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, cuda=device.cuda)
+    # The convolutions' workspace outside the tensors (oneDNN's reorders) on the host.
+    workspace = {"text_encoding": 0, "denoising": 0, "vae_decode": 0}
+    if not device.cuda:
+        workspace["denoising"] = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=True)[0] - unet
+        workspace["vae_decode"] = decode_peak(spec, shape, tile=levers.vae_tile, cuda=True)[0] - decode
     # Latents, guidance and the scheduler's fp32 step: a few latent-sized tensors per UNet sample.
     pixels = (shape.height // spec.vae_scale) * (shape.width // spec.vae_scale)
     latent = shape.unet_batch * spec.unet["in_channels"] * pixels * 4
@@ -705,8 +723,13 @@ def estimate(
         act, site = activations[name]
         weights, streamed = _weights(spec, levers, name)
         allocated = device.other + weights + act
-        # Streamed weights pass through the allocator as activations do, and reserve like them.
-        reserved = allocated + (device.cached + (reserve - 1) * (act + streamed) if device.cuda else 0)
+        if device.cuda:  # streamed weights pass through the allocator as activations do, and reserve like them
+            reserved = allocated + device.cached + (reserve - 1) * (act + streamed)
+        else:
+            convs = max((spec.footprints.get(c, {}).get("largest_conv", 0) for c in _PHASE_COMPONENTS[name]), default=0)
+            ws = workspace[name]
+            reserved = allocated + (HOST_RESERVE_OVER_ACTIVATIONS - 1) * act + HOST_RESERVE_OVER_ACTIVATIONS * ws
+            reserved += convs + HOST_FIRST_RUN
         phases.append(PhaseEstimate(name, int(allocated), int(reserved), int(act), site))
     return Estimate(tuple(phases))
 
@@ -854,7 +877,8 @@ def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
     leaf layers, and two of the largest leaves. ``sequential``: accelerate moves each module's own
     weights when it runs: the largest. ``fp8``: all weights, the leaf layers' at one byte per
     element outside diffusers' skip patterns (norms, a top-level ``proj_in``/``proj_out``); ``fp8_cast``: the
-    largest such layer back in its dtype while it runs.
+    largest such layer back in its dtype while it runs. ``largest_conv``: the largest 2-D
+    convolution's weights (the host's reorder of them, :data:`HOST_RESERVE_OVER_ACTIVATIONS`).
     """
     groups, unmatched = [], _nbytes(module, recurse=False)
     for child in module.children():
@@ -879,6 +903,7 @@ def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
         "sequential": max(own),
         "fp8": _nbytes(module) - sum(cast_bytes) + elems * _FP8_BYTES,
         "fp8_cast": max(cast_bytes, default=0),
+        "largest_conv": max((_nbytes(m) for m in leaves if isinstance(m, torch.nn.Conv2d)), default=0),
     }
 
 
