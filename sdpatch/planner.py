@@ -632,7 +632,9 @@ class DeviceState:
     allocations of other objects; on the host, the interpreter and libraries). ``cached``:
     CUDA memory reserved but not allocated now. ``expandable_segments``: already on.
     ``host_available``: host memory the plan may keep weights in (available memory plus the
-    weights already there), None: not checked.
+    weights already there), None: not checked. ``cuda_graph_pool``: bytes a captured denoising
+    step's private memory pool holds beside the estimate's denoising phase (about one UNet call's
+    activations; whoever captures the graph sets it, :func:`unet_peak` sizes such a call).
     """
 
     cuda: bool = False
@@ -640,6 +642,7 @@ class DeviceState:
     cached: int = 0
     expandable_segments: bool = False
     host_available: int | None = None
+    cuda_graph_pool: int = 0
 
 
 @dataclass(frozen=True)
@@ -715,7 +718,7 @@ def estimate(
     upcast = spec.weights.get("vae", 0) if spec.vae_upcast else 0
     activations = {
         "text_encoding": (_text_activations(spec), "text encoder"),
-        "denoising": (unet + 8 * latent + embeds, unet_site),
+        "denoising": (unet + device.cuda_graph_pool + 8 * latent + embeds, unet_site),
         "vae_decode": (decode + upcast + latent, decode_site),
     }
     phases = []
