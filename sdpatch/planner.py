@@ -1688,7 +1688,13 @@ def _place_weights(
         torch.cuda.empty_cache()
     unet = pipe.unet
     if levers.sequential_offload:
-        pipe.enable_sequential_cpu_offload(device=device)
+        # What diffusers' enable_sequential_cpu_offload does, with the device as given: it names
+        # the CPU "cpu:0", on which accelerate's hooks fail (a plan on the CPU never takes this
+        # lever, but its tests run there).
+        from accelerate import cpu_offload
+
+        for c in modules.values():
+            cpu_offload(c, device, offload_buffers=len(c._parameters) > 0)
         return
     if levers.fp8_storage:
         originals = [(t, t.data) for t in (*unet.parameters(), *unet.buffers())]

@@ -637,6 +637,7 @@ def assert_same_state(before, after):
         pytest.param(Levers(group_offload="leaf_level", text_encoder_offload=True), True, id="group-offload-leaf"),
         pytest.param(Levers(fp8_storage=True), False, id="fp8-storage"),
         pytest.param(Levers(fp8_storage=True, group_offload="leaf_level"), False, id="fp8-and-group-offload"),
+        pytest.param(Levers(sequential_offload=True), True, id="sequential-offload"),
     ],
 )
 def test_weight_levers_apply_and_are_removed_exactly(tiny, levers, exact):
