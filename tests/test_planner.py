@@ -757,3 +757,31 @@ def test_generate_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 def test_allow_fp8_needs_a_budget(tmp_path):
     result = invoke("generate", "a cat", *FAST, "-o", str(tmp_path / "a.png"), "--allow-fp8")
     assert result.exit_code == 2 and "--allow-fp8 is only used with --vram-budget" in result.stderr
+
+
+def test_a_plan_from_a_local_folders_configs(monkeypatch, tmp_path):
+    """A diffusers folder with configs only (no weights): its text encoder's config names no class,
+    model_index.json does, as in a real checkpoint. It plans as the preset does."""
+    from sdpatch.configs import load_component_config
+
+    monkeypatch.setattr(planner, "_host_available", lambda: 16 * GIB)  # the same in both runs
+    index = {"_class_name": "StableDiffusionPipeline"}
+    for component in ("unet", "vae", "text_encoder", "scheduler"):
+        cfg = load_component_config("sd15", component)
+        library = "transformers" if component == "text_encoder" else "diffusers"
+        index[component] = [library, cfg.pop("_class_name") if library == "transformers" else cfg["_class_name"]]
+        (tmp_path / component).mkdir()
+        (tmp_path / component / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    from_folder = invoke("plan", "-m", str(tmp_path), "-H", "512", "-W", "512", "--vram-budget", "1")
+    from_preset = invoke("plan", "-m", "sd15", "-H", "512", "-W", "512", "--vram-budget", "1")
+    assert from_folder.exit_code == 0, from_folder.output
+    assert from_folder.stdout.splitlines()[1:] == from_preset.stdout.splitlines()[1:]
+
+
+def test_the_plan_command_refuses_a_plan_the_host_cannot_hold(monkeypatch):
+    monkeypatch.setattr(planner, "_host_available", lambda: GIB // 2)
+    result = invoke("plan", "-m", "sdxl", "-H", "1024", "-W", "1024", "--vram-budget", "3", "--device", "cuda")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the host is the limit" in lines[0] and "it would swap" in lines[0]
