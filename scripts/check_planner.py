@@ -106,8 +106,9 @@ def by_hand(pipe, levers) -> None:
     if levers.fp8_storage:
         pipe.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float16)
     if levers.group_offload:
+        blocks = 1 if levers.group_offload == "block_level" else None
         apply_group_offloading(pipe.unet, onload_device=cuda, offload_type=levers.group_offload,
-                               num_blocks_per_group=1 if levers.group_offload == "block_level" else None, use_stream=True)
+                               num_blocks_per_group=blocks, use_stream=True)
     if levers.cpu_offload:
         pipe.enable_model_cpu_offload(device=cuda)
         return

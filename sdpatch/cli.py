@@ -127,7 +127,9 @@ DryRunOpt = Annotated[
         help="With --vram-budget: print the plan from the model's configs (no weights, no GPU needed) and stop.",
     ),
 ]
-PlanDeviceOpt = Annotated[str, typer.Option("--device", help="The device to plan for: cuda, cuda:N or cpu (need not be here).")]
+PlanDeviceOpt = Annotated[
+    str, typer.Option("--device", help="The device to plan for: cuda, cuda:N or cpu (this machine need not have it).")
+]
 PromptsFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -284,10 +286,11 @@ def plan(
         request, model=model, device=device, dtype=dtype, vram_budget=vram_budget, allow_fp8=allow_fp8,
         allow_pickle=allow_pickle, batch=batch,
     )
-    shape = chosen.shape
-    typer.echo(f"{model} · {shape.width}×{shape.height} · batch {shape.batch}{' with CFG' if shape.cfg else ''} · {device}")
-    lines = plan_lines(chosen.to_dict(), None)
-    typer.echo("\n".join([*lines[:1], *estimate_lines(chosen.to_dict()), *lines[1:]]))
+    shape, report = chosen.shape, chosen.to_dict()
+    cfg = " with CFG" if shape.cfg else ""
+    typer.echo(f"{model} · {shape.width}×{shape.height} · batch {shape.batch}{cfg} · {device} (planned from configs)")
+    lines = plan_lines(report, None)
+    typer.echo("\n".join([*lines[:1], *estimate_lines(report), *lines[1:]]))
     if not chosen.fits:
         raise PlannerError(chosen.failure())
 
