@@ -144,6 +144,24 @@ CompileOpt = Annotated[
         "run at a size compiles, later ones start from the cache.",
     ),
 ]
+AllowFp8Opt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-fp8",
+        help="With --vram-budget: the plan may store the UNet's weights in fp8 (approximate: the image changes), "
+        "cast on the CPU before they reach the GPU.",
+    ),
+]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="With --vram-budget: print the plan from the model's configs (no weights, no GPU needed) and stop.",
+    ),
+]
+PlanDeviceOpt = Annotated[
+    str, typer.Option("--device", help="The device to plan for: cuda, cuda:N or cpu (this machine need not have it).")
+]
 PromptsFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -258,7 +276,17 @@ def generate(
     best_effort: BestEffortOpt = False,
     cuda_graphs: CudaGraphsOpt = None,
     compile: CompileOpt = False,
+    allow_fp8: AllowFp8Opt = False,
+    dry_run: DryRunOpt = False,
 ) -> None:
+    if dry_run:
+        if vram_budget is None:
+            raise InputError("--dry-run prints a --vram-budget plan: give --vram-budget")
+        plan(
+            model=model, height=height, width=width, guidance_scale=guidance_scale, batch=1, vram_budget=vram_budget,
+            allow_fp8=allow_fp8, device=device, dtype=dtype, allow_pickle=allow_pickle,
+        )
+        return
     if (prompt is None) == (prompts_file is None):
         raise InputError("give a PROMPT or --prompts-file FILE" + (", not both" if prompt is not None else ""))
     if prompts_file is not None and (vram_budget is not None or best_effort):
@@ -303,7 +331,7 @@ def generate(
             multi = run_prompts(request, prompts_file, **options)
         else:
             refuse_launch_without_prompts_file()
-            result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort)
+            result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort, allow_fp8=allow_fp8)
     if prompts_file is not None:
         if multi.report is not None:  # the main process
             typer.echo(multi.report.format_table())
@@ -316,6 +344,42 @@ def generate(
     if missed and not best_effort:
         typer.echo(f"sdpatch: error: {missed} (pass --best-effort to accept a miss)", err=True)
         raise typer.Exit(BUDGET_MISSED)
+
+
+@app.command(
+    help="Print the --vram-budget plan for a model and size from its configs alone (the presets, a local "
+    "folder or a cached Hub repo; no weights, no GPU needed): each phase's estimated peak, the host memory "
+    "it needs and the expected slow-down. A budget below every plan is an error that names the floor."
+)
+def plan(
+    model: ModelOpt = "tiny",
+    height: HeightOpt = None,
+    width: WidthOpt = None,
+    guidance_scale: GuidanceOpt = GenerationRequest.guidance_scale,
+    batch: BatchOpt = 1,
+    vram_budget: VramBudgetOpt = None,
+    allow_fp8: AllowFp8Opt = False,
+    device: PlanDeviceOpt = "cuda",
+    dtype: DtypeOpt = "auto",
+    allow_pickle: AllowPickleOpt = False,
+) -> None:
+    from sdpatch.generate import dry_run
+    from sdpatch.planner import PlannerError, estimate_lines, plan_lines
+
+    if vram_budget is None:
+        raise InputError("give --vram-budget GiB")
+    request = GenerationRequest("", height=height, width=width, guidance_scale=guidance_scale)
+    chosen = dry_run(
+        request, model=model, device=device, dtype=dtype, vram_budget=vram_budget, allow_fp8=allow_fp8,
+        allow_pickle=allow_pickle, batch=batch,
+    )
+    shape, report = chosen.shape, chosen.to_dict()
+    cfg = " with CFG" if shape.cfg else ""
+    typer.echo(f"{model} · {shape.width}×{shape.height} · batch {shape.batch}{cfg} · {device} (planned from configs)")
+    lines = plan_lines(report, None)
+    typer.echo("\n".join([*lines[:1], *estimate_lines(report), *lines[1:]]))
+    if not chosen.fits:
+        raise PlannerError(chosen.failure())
 
 
 @app.command()

@@ -97,6 +97,7 @@ RANK_NOISE = 0.10
 
 _CHART_NOTE = "chart not drawn:"
 PLANNED = "planned"  # the --vram-budget column
+_APPROXIMATE = {"vae_tiling": "tiled decode", "fp8_storage": "fp8 weights"}  # the planner's inexact levers
 
 # Issue 5's reference: one SD 1.5 UNet call, batch 2, fp16, H200; peak over the weights.
 SD15_REFERENCE = {
@@ -865,8 +866,9 @@ class CompareReport:
             diff = "no reference"
         else:
             diff = f"PSNR {_format_psnr(cell.psnr_db)}"
-        if cell.plan is not None and cell.plan["approximate"]:
-            diff += " (tiled decode)"
+        approximate = [_APPROXIMATE[s["lever"]] for s in (cell.plan or {}).get("levers", []) if not s["exact"]]
+        if approximate:
+            diff += f" ({', '.join(approximate)})"
         return f"{_gib(cell.peak)} · {_per_step(cell.seconds_per_step, cell.step_spread)} · {diff}"
 
 

@@ -54,7 +54,7 @@ from sdpatch.models import (
     resolve_model,
     tokenizer_note,
 )
-from sdpatch.planner import fit, parse_budget, plan_lines
+from sdpatch.planner import Plan, fit, parse_budget, plan_from_configs, plan_lines, weight_levers
 from sdpatch.progress import Progress
 from sdpatch.settings import MAX_IMAGES, MAX_SEED, MAX_SIDE, GenerationRequest  # noqa: F401 (re-exported)
 
@@ -488,6 +488,7 @@ def run(
     best_effort: bool = False,
     cuda_graphs: bool | None = None,
     compile: bool = False,
+    allow_fp8: bool = False,
 ) -> GenerationResult:
     """What ``sdpatch generate`` does: check every input, then load, patch and generate.
 
@@ -495,16 +496,18 @@ def run(
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
     ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
     before generating; a budget that cannot be met raises InputError then, unless ``best_effort``;
-    one that the run misses shows in ``report.budget_miss``. ``progress`` shows the model's build
-    or load and then each image's phases (True: a progress line drawn on a terminal).
-    ``cuda_graphs`` (None: on for a patched pipeline on CUDA, unless a budget is planned) and
-    ``compile``: see :func:`sdpatch.speed.speed_up`.
+    one that the run misses shows in ``report.budget_miss``. A plan that moves weights off the GPU
+    (planned from the configs first) loads the model on the CPU, so that the weights reach the GPU
+    only as the plan places them. ``allow_fp8``: the plan may store the UNet's weights in fp8
+    (approximate). ``progress`` shows the model's build or load and then each image's phases (True:
+    a progress line drawn on a terminal). ``cuda_graphs`` (None: on for a patched pipeline on CUDA,
+    unless a budget is planned) and ``compile``: see :func:`sdpatch.speed.speed_up`.
     """
     request.validate()
     if vram_budget is not None:
         parse_budget(vram_budget, "--vram-budget")
-    elif best_effort:
-        raise InputError("--best-effort is only used with --vram-budget")
+    elif best_effort or allow_fp8:
+        raise InputError(f"{'--best-effort' if best_effort else '--allow-fp8'} is only used with --vram-budget")
     setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle,
                         cuda_graphs=cuda_graphs, compile=compile, planned=vram_budget is not None)
     outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
@@ -513,9 +516,14 @@ def run(
         if report_json.resolve() in {p.resolve() for p in outputs}:
             raise InputError("--report-json must not be one of the image paths")
 
+    cfg = request.guidance_scale > 1  # diffusers' rule for classifier-free guidance
+    on_cpu_first = False
+    if vram_budget is not None and setup.device.type == "cuda" and parse_budget(vram_budget, "--vram-budget") != "auto":
+        ahead = dry_run(request, model=model, device=str(setup.device), dtype=dtype, vram_budget=vram_budget, allow_fp8=allow_fp8)
+        on_cpu_first = weight_levers(ahead.levers)
     progress = Progress.of(progress)
     try:
-        pipe = setup.load(progress)
+        pipe = setup.load(progress, torch.device("cpu") if on_cpu_first else None)
     except Exception as err:
         if setup.device.type != "cuda" and is_oom(err):
             verb = "building" if setup.source.kind == "preset" else "loading"
@@ -529,8 +537,10 @@ def run(
             vram_budget,
             height=request.height or size,
             width=request.width or size,
-            cfg=request.guidance_scale > 1,  # diffusers' rule for classifier-free guidance
+            cfg=cfg,
             best_effort=best_effort,
+            device=setup.device if on_cpu_first else None,
+            allow_fp8=allow_fp8,
         ).to_dict()
     try:
         return generate(
@@ -550,6 +560,46 @@ def run(
         raise InputError(str(err)) from err
 
 
+def dry_run(
+    request: GenerationRequest,
+    *,
+    model: str = "tiny",
+    device: str = "cuda",
+    dtype: str = "auto",
+    vram_budget: float | str,
+    allow_fp8: bool = False,
+    allow_pickle: bool = False,
+    batch: int = 1,
+) -> Plan:
+    """The ``--vram-budget`` plan of a run from the model's configs alone, without weights and
+    without touching the device: ``sdpatch plan`` and ``generate --dry-run``. ``device`` is only
+    parsed (``cuda`` plans for a GPU this machine need not have)."""
+    from sdpatch.models import build_from_configs
+
+    request.validate()
+    name = device.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if target.type not in ("cpu", "cuda"):
+        raise InputError(f"a plan is for cpu or cuda, not {device!r}")
+    torch_dtype, _ = resolve_dtype(dtype, target)
+    pipe = build_from_configs(resolve_model(model, allow_pickle=allow_pickle), dtype=torch_dtype)
+    return plan_from_configs(
+        pipe,
+        vram_budget,
+        device=str(target),
+        height=request.height,
+        width=request.width,
+        batch=batch,
+        cfg=request.guidance_scale > 1,
+        allow_fp8=allow_fp8,
+    )
+
+
 @dataclass(frozen=True)
 class Setup:
     """What a run loads and where, checked by :func:`check_setup` without loading anything."""
@@ -563,8 +613,9 @@ class Setup:
     compile: bool = False
     speed: dict[str, Any] = field(default_factory=dict)  # what load() applied (SpeedSetup.to_dict)
 
-    def load(self, progress: Progress | None = None) -> Any:
-        """Load the pipeline on its device, patch it with the backend, apply the speed levers."""
+    def load(self, progress: Progress | None = None, device: torch.device | None = None) -> Any:
+        """Load the pipeline on its device (or on ``device``, e.g. the CPU for a plan that places
+        the weights on the GPU itself), patch it with the backend, apply the speed levers."""
         from sdpatch.speed import speed_up
 
         if progress is not None:
@@ -573,7 +624,7 @@ class Setup:
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
-        pipe = load_pipeline(self.source, device=self.device, dtype=self.dtype)
+        pipe = load_pipeline(self.source, device=device or self.device, dtype=self.dtype)
         apply_backend(pipe, self.backend)
         applied = speed_up(pipe, cuda_graphs=self.cuda_graphs, compile=self.compile)
         self.speed.update(applied.to_dict())

@@ -221,6 +221,59 @@ class _TorchvisionFallbacks(logging.Filter):
         return "requires torchvision (not installed); falling back" not in record.getMessage()
 
 
+def build_from_configs(source: ModelSource, *, dtype: torch.dtype = torch.float16) -> Any:
+    """The pipeline ``source`` names, built on the meta device from its components' configs alone
+    (no weights are read or downloaded): what a plan without weights measures. Configs come from
+    the shipped presets, a local diffusers folder, or the Hugging Face cache."""
+    if source.kind == "preset":
+        return build_preset(source.location, device="meta", dtype=dtype)
+    if source.kind == "file":
+        raise InputError(f"{source.name}: a checkpoint file carries no configs; plan with a diffusers folder or repo id")
+    keys = ["unet", "vae", "text_encoder", *(["text_encoder_2"] if source.pipeline_class.endswith("XLPipeline") else [])]
+    with torch.device("meta"), _default_dtype(dtype):
+        components = {key: _build(_config_of(source, key)).eval() for key in keys}
+    components["scheduler"] = _component("sd15", "scheduler")  # any scheduler: it holds no memory
+    tokenizer = preset_tokenizer("tiny")  # no text is encoded on the meta device
+    if "text_encoder_2" in components:
+        return diffusers_pipeline("StableDiffusionXLPipeline")(tokenizer=tokenizer, tokenizer_2=tokenizer, **components)
+    return diffusers_pipeline("StableDiffusionPipeline")(
+        tokenizer=tokenizer, safety_checker=None, feature_extractor=None, requires_safety_checker=False, **components
+    )
+
+
+def _config_of(source: ModelSource, component: str) -> dict[str, Any]:
+    """A component's config.json from a folder or the Hub cache, with its class name (from
+    model_index.json where the config lacks one, as transformers' configs do)."""
+    if source.kind == "folder":
+        root = Path(source.location)
+        index, path = root / "model_index.json", root / component / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = [try_to_load_from_cache(source.location, f) for f in ("model_index.json", f"{component}/config.json")]
+        if not all(isinstance(f, str) for f in found):
+            raise InputError(f"{source.name}: {component}/config.json is not in the Hugging Face cache")
+        index, path = (Path(f) for f in found)
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg.setdefault("_class_name", json.loads(index.read_text(encoding="utf-8"))[component][1])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise InputError(f"cannot read {source.name}'s {component} config: {first_line(exc)}") from None
+    return cfg
+
+
+def _build(cfg: dict[str, Any]) -> Any:
+    """A component from its config, by the class its ``_class_name`` names."""
+    import diffusers
+    import transformers
+
+    class_name = cfg.pop("_class_name")
+    if hasattr(diffusers, class_name):
+        return getattr(diffusers, class_name).from_config(cfg)
+    cls = getattr(transformers, class_name)
+    return cls(cls.config_class(**cfg))
+
+
 def default_size(pipe: Any) -> int:
     """The image side the pipeline was trained at (diffusers' default height and width)."""
     return int(pipe.unet.config.sample_size * pipe.vae_scale_factor)
@@ -231,15 +284,7 @@ def default_size(pipe: Any) -> int:
 
 def _component(preset: str, component: str) -> Any:
     """A preset's component, built from its shipped config by the class ``_class_name`` names."""
-    import diffusers
-    import transformers
-
-    cfg = load_component_config(preset, component)
-    class_name = cfg.pop("_class_name")
-    if hasattr(diffusers, class_name):
-        return getattr(diffusers, class_name).from_config(cfg)
-    cls = getattr(transformers, class_name)
-    return cls(cls.config_class(**cfg))
+    return _build(load_component_config(preset, component))
 
 
 def preset_tokenizer(name: str, **kwargs: Any) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -61,6 +62,19 @@ CONV_WORKSPACE = 1.0
 # underestimated SDXL 2048 px with an 8 GiB budget by 5 % (8.40 GiB reserved against 7.96), so
 # the plan missed its budget; 1.16 would have estimated 8.07 and added split CFG.
 RESERVE_OVER_ACTIVATIONS = {True: 1.16, False: 1.90}
+# On the host the budget is the process's resident memory, which holds more than the tensors do:
+# glibc's heap keeps freed blocks below its (growing) mmap threshold, oneDNN reorders each
+# convolution's input and output (as CONV_WORKSPACE models) and its weights into blocked layouts
+# outside PyTorch's allocator, and a first call maps code and JIT-compiles kernels. Measured on the
+# CPU (torch 2.13, glibc, 1 thread, fp32, 2026-12-01): with MALLOC_MMAP_THRESHOLD_ fixed, resident
+# memory over the liveness peak was a first call's 14-20 MiB (tiny) and 63-86 MiB (sd15 at 256 px:
+# its largest convolution's weights, 118 MiB in fp32, are reordered); glibc's default adds
+# 0.3-1.9x the activations. 1.5x the activations with the convolutions' workspace, the largest
+# convolution's weights and HOST_FIRST_RUN: sd15 256 px (issue 32's case, 4.63 GiB estimated,
+# 4.82-4.90 measured) is estimated within +1 %, tiny at 128-512 px within -4...+6 % (the tiny
+# 256 px decode is the one under).
+HOST_RESERVE_OVER_ACTIVATIONS = 1.5
+HOST_FIRST_RUN = 16 * MIB
 # Triton's autotuner benchmarks with a 256 MB L2-flush buffer (triton.testing.do_bench): the
 # README's first sd15 run shows it, 2.34 GiB denoising peak against 1.99 + 0.13 GiB.
 TRITON_AUTOTUNE_SCRATCH = 256 * 10**6
@@ -70,8 +84,39 @@ PHASES = tuple(PHASE_LABELS)
 # smaller chunks of the chunked backend cost a little speed; feed-forward chunking, more kernel
 # launches; split CFG, the batch's efficiency at small sizes; tiled decode, exactness (the tiles'
 # seams are blended); CPU offload, a copy of each model to the GPU on every call.
-LEVER_ORDER = ("allocator", "attention", "ff_chunking", "split_cfg", "vae_tiling", "cpu_offload")
-EXACT_LEVERS = frozenset({"allocator", "attention", "ff_chunking", "split_cfg", "cpu_offload"})
+# The weight levers move weights off the GPU: the text encoders to the CPU between their calls
+# (one copy per image; exact, so before tiled decode); model CPU offload (every model, one copy per call); diffusers'
+# group offload of the UNet with CUDA streams (every step streams the UNet's weights); fp8 weight
+# storage (approximate: only with ``allow_fp8``); accelerate's sequential offload (every layer's
+# weights copied when it runs, without overlap).
+LEVER_ORDER = (
+    "allocator",
+    "attention",
+    "ff_chunking",
+    "split_cfg",
+    "text_encoder_offload",
+    "vae_tiling",
+    "cpu_offload",
+    "group_offload",
+    "fp8_storage",
+    "sequential_offload",
+)
+EXACT_LEVERS = frozenset(LEVER_ORDER) - {"vae_tiling", "fp8_storage"}
+GROUP_OFFLOAD_TYPES = ("block_level", "leaf_level")  # diffusers' offload_type, mildest first
+# The cost model: each weight lever's factor on a denoising step, measured on an H200 (issue 29,
+# SDXL UNet at 1024² and batch 2, fp16, torch 2.11, diffusers 0.42.1: 142 ms per step without a
+# lever). Group offload streams every weight each step, so the factor shrinks where the step's
+# compute grows (larger images); at smaller ones it may be larger. Not measured: sequential
+# offload (assumed no faster than leaf-level group offload without streams, 2x its factor), and
+# the per-image copies of the text encoder and model offloads, counted in seconds at
+# HOST_TO_DEVICE_BYTES_PER_S.
+STEP_SLOWDOWN = {
+    "group_offload:block_level": 455 / 142,
+    "group_offload:leaf_level": 350 / 142,
+    "fp8_storage": 259 / 142,
+    "sequential_offload": 2 * 350 / 142,
+}
+HOST_TO_DEVICE_BYTES_PER_S = 12e9  # pageable copies over PCIe 4/5 x16: an assumption, not measured
 FF_CHUNKS = (2, 4, 8, 16)
 CHUNK_BUDGETS = (64 * MIB, 16 * MIB, 4 * MIB)
 MIN_VAE_TILE = 128  # pixels: tiles are halved down to this (or the VAE's own tile, if smaller)
@@ -122,6 +167,9 @@ class ModelSpec:
     attention: dict[str, AttentionCost] = field(default_factory=dict)
     auto_attention: dict[str, AttentionCost] = field(default_factory=dict)  # what sdpatch auto would give
     triton: bool = False  # some layer runs sdpatch's Triton kernel: autotuning on a first run
+    # Per component, its weights' bytes on the device while it runs under each offload kind
+    # (:func:`offload_footprints`); offloaded, an idle component holds none there.
+    footprints: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def vae_scale(self) -> int:
@@ -156,8 +204,12 @@ class Levers:
     ``chunk_budget``: score-buffer bytes of sdpatch's chunked attention (None: as set).
     ``ff_chunks``: token chunks of each transformer feed-forward. ``unet_micro_batch``: the UNet
     batch runs in calls of at most this many samples (half the batch: split CFG). ``vae_tile``:
-    tiled VAE decode with tiles of this many pixels a side. ``cpu_offload``: diffusers' model
-    CPU offload.
+    tiled VAE decode with tiles of this many pixels a side. ``text_encoder_offload``: the text
+    encoders on the CPU except during their call (accelerate's ``cpu_offload_with_hook``).
+    ``cpu_offload``: diffusers' model CPU offload. ``group_offload``: diffusers' group offload of
+    the UNet (``block_level`` or ``leaf_level``, with CUDA streams). ``fp8_storage``: the UNet's
+    weights stored in fp8 (diffusers' layerwise casting), cast on the CPU. ``sequential_offload``:
+    diffusers' sequential CPU offload of every model.
     """
 
     expandable_segments: bool = False
@@ -166,7 +218,11 @@ class Levers:
     ff_chunks: int = 1
     unet_micro_batch: int | None = None
     vae_tile: int | None = None
+    text_encoder_offload: bool = False
     cpu_offload: bool = False
+    group_offload: str | None = None
+    fp8_storage: bool = False
+    sequential_offload: bool = False
 
 
 # -- the liveness model ---------------------------------------------------------------------------
@@ -575,12 +631,18 @@ class DeviceState:
     memory). ``other``: bytes in use now besides the pipeline's weights on the device (CUDA
     allocations of other objects; on the host, the interpreter and libraries). ``cached``:
     CUDA memory reserved but not allocated now. ``expandable_segments``: already on.
+    ``host_available``: host memory the plan may keep weights in (available memory plus the
+    weights already there), None: not checked. ``cuda_graph_pool``: bytes a captured denoising
+    step's private memory pool holds beside the estimate's denoising phase (about one UNet call's
+    activations; whoever captures the graph sets it, :func:`unet_peak` sizes such a call).
     """
 
     cuda: bool = False
     other: int = 0
     cached: int = 0
     expandable_segments: bool = False
+    host_available: int | None = None
+    cuda_graph_pool: int = 0
 
 
 @dataclass(frozen=True)
@@ -639,10 +701,15 @@ def estimate(
     """Peak memory of each phase of one pipeline call of ``shape`` with ``levers`` in place."""
     spec = replace(spec, attention=_attention_costs(spec, levers))
     expandable = levers.expandable_segments or device.expandable_segments
-    reserve = RESERVE_OVER_ACTIVATIONS[expandable] if device.cuda else 1.0
+    reserve = RESERVE_OVER_ACTIVATIONS[expandable]
     micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
     unet, unet_site = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=device.cuda)
     decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, cuda=device.cuda)
+    # The convolutions' workspace outside the tensors (oneDNN's reorders) on the host.
+    workspace = {"text_encoding": 0, "denoising": 0, "vae_decode": 0}
+    if not device.cuda:
+        workspace["denoising"] = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=True)[0] - unet
+        workspace["vae_decode"] = decode_peak(spec, shape, tile=levers.vae_tile, cuda=True)[0] - decode
     # Latents, guidance and the scheduler's fp32 step: a few latent-sized tensors per UNet sample.
     pixels = (shape.height // spec.vae_scale) * (shape.width // spec.vae_scale)
     latent = shape.unet_batch * spec.unet["in_channels"] * pixels * 4
@@ -651,14 +718,21 @@ def estimate(
     upcast = spec.weights.get("vae", 0) if spec.vae_upcast else 0
     activations = {
         "text_encoding": (_text_activations(spec), "text encoder"),
-        "denoising": (unet + 8 * latent + embeds, unet_site),
+        "denoising": (unet + device.cuda_graph_pool + 8 * latent + embeds, unet_site),
         "vae_decode": (decode + upcast + latent, decode_site),
     }
     phases = []
     for name in PHASES:
         act, site = activations[name]
-        allocated = device.other + _weights(spec, levers, name) + act
-        reserved = allocated + (device.cached + (reserve - 1) * act if device.cuda else 0)
+        weights, streamed = _weights(spec, levers, name)
+        allocated = device.other + weights + act
+        if device.cuda:  # streamed weights pass through the allocator as activations do, and reserve like them
+            reserved = allocated + device.cached + (reserve - 1) * (act + streamed)
+        else:
+            convs = max((spec.footprints.get(c, {}).get("largest_conv", 0) for c in _PHASE_COMPONENTS[name]), default=0)
+            ws = workspace[name]
+            reserved = allocated + (HOST_RESERVE_OVER_ACTIVATIONS - 1) * act + HOST_RESERVE_OVER_ACTIVATIONS * ws
+            reserved += convs + HOST_FIRST_RUN
         phases.append(PhaseEstimate(name, int(allocated), int(reserved), int(act), site))
     return Estimate(tuple(phases))
 
@@ -668,14 +742,76 @@ _PHASE_COMPONENTS = {
     "denoising": ("unet",),
     "vae_decode": ("vae",),
 }
+_TEXT_ENCODERS = _PHASE_COMPONENTS["text_encoding"]
 
 
-def _weights(spec: ModelSpec, levers: Levers, phase: str) -> int:
-    """Weights on the device during ``phase``: the resident ones, or with CPU offload only the
-    model that runs (the two text encoders of SDXL take turns)."""
-    if not levers.cpu_offload:
-        return sum(spec.weights[name] for name in spec.resident)
-    return max((spec.weights.get(name, 0) for name in _PHASE_COMPONENTS[phase]), default=0)
+def _footprint(spec: ModelSpec, levers: Levers, name: str, running: bool) -> tuple[int, int]:
+    """Bytes of component ``name``'s weights on the device, idle or running, and the part of them
+    that is streamed in and out during its call (allocated and freed layer by layer, like
+    activations)."""
+    weights = spec.weights.get(name, 0)
+    own = spec.footprints.get(name, {})
+    if name == "unet" and levers.fp8_storage:
+        weights = own.get("fp8", weights)
+    if levers.sequential_offload:
+        return (own.get("sequential", weights), own.get("sequential", weights)) if running else (0, 0)
+    if name == "unet" and levers.group_offload:
+        size = own.get(levers.group_offload, weights)
+        size = int(size * weights / spec.weights.get(name, weights))  # fp8 storage streams fp8 weights
+        return (size, size) if running else (0, 0)
+    if levers.cpu_offload or (name in _TEXT_ENCODERS and levers.text_encoder_offload):
+        return (weights, 0) if running else (0, 0)
+    if name not in spec.resident:
+        return 0, 0
+    # fp8 storage: a layer's weights are cast back to the compute dtype while it runs.
+    cast = own.get("fp8_cast", 0) if name == "unet" and levers.fp8_storage and running else 0
+    return weights + cast, cast
+
+
+def _weights(spec: ModelSpec, levers: Levers, phase: str) -> tuple[int, int]:
+    """Weights on the device at ``phase``'s peak, and the streamed part of them: every idle
+    component's, plus the costliest running one over its idle bytes (SDXL's two text encoders take
+    turns under offload; resident, both stay)."""
+    idle = {name: _footprint(spec, levers, name, False)[0] for name in spec.weights}
+    extra, streamed = 0, 0
+    for name in _PHASE_COMPONENTS[phase]:
+        if name in spec.weights:
+            run, stream = _footprint(spec, levers, name, True)
+            if run - idle[name] > extra:
+                extra, streamed = run - idle[name], stream
+    return sum(idle.values()) + extra, streamed
+
+
+def host_weights(spec: ModelSpec, levers: Levers) -> int:
+    """Bytes of weights the plan keeps in host memory: every component off the device between
+    its calls (group offload's copies are pinned, page-locked), and with fp8 storage the UNet's
+    original weights, kept so that :func:`remove_plan` puts them back exactly."""
+    total = 0
+    for name, nbytes in spec.weights.items():
+        idle, _ = _footprint(spec, levers, name, False)
+        if idle == 0:
+            total += spec.footprints.get(name, {}).get("fp8", nbytes) if name == "unet" and levers.fp8_storage else nbytes
+    if levers.fp8_storage:
+        total += spec.weights.get("unet", 0)
+    return total
+
+
+def slowdown(spec: ModelSpec, levers: Levers) -> tuple[float, float]:
+    """The plan's expected cost: a factor on each denoising step (:data:`STEP_SLOWDOWN`) and the
+    seconds per image of copying whole models to the device (text encoder and model offload)."""
+    factor = 1.0
+    if levers.sequential_offload:
+        factor *= STEP_SLOWDOWN["sequential_offload"]
+    elif levers.group_offload:
+        factor *= STEP_SLOWDOWN[f"group_offload:{levers.group_offload}"]
+    if levers.fp8_storage and not levers.sequential_offload:
+        factor *= STEP_SLOWDOWN["fp8_storage"]
+    copied = 0
+    if levers.cpu_offload and not levers.sequential_offload:
+        copied = sum(spec.weights.values()) - (spec.weights.get("unet", 0) if levers.group_offload else 0)
+    elif levers.text_encoder_offload and not levers.sequential_offload:
+        copied = sum(spec.weights.get(name, 0) for name in _TEXT_ENCODERS)
+    return factor, copied / HOST_TO_DEVICE_BYTES_PER_S
 
 
 # -- the pipeline as the estimator sees it ---------------------------------------------------------
@@ -724,11 +860,74 @@ def _component_cost(module: torch.nn.Module, device: torch.device, backend: str 
     return worst, triton
 
 
-def model_spec(pipe: Any) -> ModelSpec:
-    """What :func:`estimate` needs to know about a loaded pipeline (it may be on the meta device)."""
-    device = pipe._execution_device
+# The layers diffusers' group offload (leaf level) and layerwise casting treat as leaves
+# (diffusers.hooks._common._GO_LC_SUPPORTED_PYTORCH_LAYERS).
+_LEAF_LAYERS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear, torch.nn.Embedding)
+_FP8_BYTES = 1
+
+
+def _nbytes(module: torch.nn.Module, recurse: bool = True) -> int:
+    tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
+    """A component's weights on the device while it runs, under each way of offloading it.
+
+    ``block_level``: diffusers' group offload of each ModuleList entry, with streams: the group
+    that runs and the next one, prefetched, plus the unmatched group (every other child, on the
+    device for the whole call). ``leaf_level``: each leaf layer as a group: the weights outside
+    leaf layers, and two of the largest leaves. ``sequential``: accelerate moves each module's own
+    weights when it runs: the largest. ``fp8``: all weights, the leaf layers' at one byte per
+    element outside diffusers' skip patterns (norms, a top-level ``proj_in``/``proj_out``); ``fp8_cast``: the
+    largest such layer back in its dtype while it runs. ``largest_conv``: the largest 2-D
+    convolution's weights (the host's reorder of them, :data:`HOST_RESERVE_OVER_ACTIVATIONS`).
+    """
+    groups, unmatched = [], _nbytes(module, recurse=False)
+    for child in module.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            groups += [_nbytes(block) for block in child]
+        else:
+            unmatched += _nbytes(child)
+    pairs = [a + b for a, b in zip(groups, groups[1:])] or groups or [0]
+    leaves = [m for m in module.modules() if isinstance(m, _LEAF_LAYERS)]
+    leaf_bytes = sorted((_nbytes(m) for m in leaves), reverse=True) or [0]
+    outside = _nbytes(module) - sum(leaf_bytes)
+    own = [_nbytes(m, recurse=False) for m in module.modules()]
+    skip = re.compile("|".join(_FP8_SKIP))
+    cast = [
+        m for name, m in module.named_modules() if isinstance(m, _LEAF_LAYERS) and not skip.search(name)
+    ]
+    cast_bytes = [_nbytes(m) for m in cast]
+    elems = sum(t.numel() for m in cast for t in (*m.parameters(), *m.buffers()))
+    return {
+        "block_level": unmatched + max(pairs),
+        "leaf_level": outside + sum(leaf_bytes[:2]),
+        "sequential": max(own),
+        "fp8": _nbytes(module) - sum(cast_bytes) + elems * _FP8_BYTES,
+        "fp8_cast": max(cast_bytes, default=0),
+        "largest_conv": max((_nbytes(m) for m in leaves if isinstance(m, torch.nn.Conv2d)), default=0),
+    }
+
+
+# diffusers' layerwise casting skips these (DEFAULT_SKIP_MODULES_PATTERN and the UNet's own
+# ``_skip_layerwise_casting_patterns``), matched against every level of a module's name.
+_FP8_SKIP = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
+
+
+def model_spec(pipe: Any, device: torch.device | None = None) -> ModelSpec:
+    """What :func:`estimate` needs to know about a loaded pipeline (it may be on the meta device).
+
+    ``device``: where it will run, when that is not where it is (a pipeline built on the meta
+    device, or loaded on the CPU for a plan that places its weights): every model counts as
+    resident there until a lever says otherwise.
+    """
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
-    resident = frozenset(name for name, c in modules.items() if any(p.device == device for p in c.parameters()))
+    if device is None:
+        device = pipe._execution_device
+        resident = frozenset(name for name, c in modules.items() if any(p.device == device for p in c.parameters()))
+    else:
+        resident = frozenset(modules)
     costs, autos, triton = {}, {}, False
     for name in ("unet", "vae"):
         costs[name], uses_triton = _component_cost(modules[name], device, None)
@@ -747,6 +946,7 @@ def model_spec(pipe: Any) -> ModelSpec:
         attention=costs,
         auto_attention=autos,
         triton=triton,
+        footprints={name: offload_footprints(m) for name, m in modules.items()},
     )
 
 
@@ -776,13 +976,23 @@ def request_expandable_segments() -> str | None:
     return None
 
 
-def device_state(pipe: Any, spec: ModelSpec) -> DeviceState:
-    """Memory in use on the pipeline's device now, besides its weights."""
-    device = pipe._execution_device
-    resident = sum(spec.weights[name] for name in spec.resident)
+def device_state(pipe: Any, spec: ModelSpec, device: torch.device | None = None) -> DeviceState:
+    """Memory in use on the run device now (default: the pipeline's), besides the pipeline's
+    weights there; on CUDA, the host memory weights may go to."""
+    device = device or pipe._execution_device
     if device.type == "cuda":
+        on_gpu = {n for n, c in pipe.components.items() if isinstance(c, torch.nn.Module) and c.device.type == "cuda"}
+        resident = sum(spec.weights[name] for name in on_gpu)
+        on_host = sum(nbytes for name, nbytes in spec.weights.items() if name not in on_gpu)
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        return DeviceState(True, max(0, allocated - resident), reserved - allocated, expandable_segments_on())
+        return DeviceState(
+            True,
+            max(0, allocated - resident),
+            reserved - allocated,
+            expandable_segments_on(),
+            host_available=_host_available() + on_host,
+        )
+    resident = sum(spec.weights[name] for name in spec.resident)
     return DeviceState(False, max(0, host_resident_bytes() - resident))
 
 
@@ -837,7 +1047,11 @@ _LEVER_FIELDS = {
     "ff_chunking": ("ff_chunks",),
     "split_cfg": ("unet_micro_batch",),
     "vae_tiling": ("vae_tile",),
+    "text_encoder_offload": ("text_encoder_offload",),
     "cpu_offload": ("cpu_offload",),
+    "group_offload": ("group_offload",),
+    "fp8_storage": ("fp8_storage",),
+    "sequential_offload": ("sequential_offload",),
 }
 
 
@@ -872,6 +1086,11 @@ class Plan:
     unplanned: Estimate
     memory: Literal["reserved", "host"]
     notes: tuple[str, ...] = ()
+    host_bytes: int = 0  # weights the plan keeps in host memory (host_weights)
+    host_available: int | None = None
+    host_limit: str | None = None  # why no stronger plan was taken: the host's memory
+    step_slowdown: float = 1.0  # expected factor on each denoising step (STEP_SLOWDOWN)
+    copy_seconds: float = 0.0  # expected seconds per image of whole-model copies
 
     @property
     def fits(self) -> bool:
@@ -881,10 +1100,12 @@ class Plan:
         """One line: the budget cannot be met, with the best estimate."""
         top = self.estimate.top
         levers = ", ".join(s.setting for s in self.steps) or "no lever helps"
+        host = f"; {self.host_limit}" if self.host_limit else ""
         return (
             f"--vram-budget {self.budget_label} cannot be met for {self.shape.width}x{self.shape.height}: the "
-            f"smallest plan ({levers}) needs an estimated {format_bytes(top.reserved)} of {self.memory} memory "
-            f"in {PHASE_LABELS[top.name]}, {format_bytes(top.reserved - self.budget)} over; "
+            f"floor for this model and size is the smallest plan ({levers}), which needs an estimated "
+            f"{format_bytes(top.reserved)} of {self.memory} memory in {PHASE_LABELS[top.name]}, "
+            f"{format_bytes(top.reserved - self.budget)} over{host}; "
             + ("running it anyway (best effort)" if best_effort else "pass --best-effort to run anyway")
         )
 
@@ -895,7 +1116,7 @@ class Plan:
             "memory": self.memory,
             "shape": vars(self.shape).copy(),
             "fits": self.fits,
-            "approximate": self.levers.vae_tile is not None,
+            "approximate": self.levers.vae_tile is not None or self.levers.fp8_storage,
             "estimated_peak_bytes": self.estimate.peak,
             "estimated_peak_phase": self.estimate.top.name,
             "unplanned_peak_bytes": self.unplanned.peak,
@@ -904,6 +1125,11 @@ class Plan:
             "estimate": [p.to_dict() for p in self.estimate.phases],
             "unplanned": [p.to_dict() for p in self.unplanned.phases],
             "notes": list(self.notes),
+            "host_bytes": self.host_bytes,
+            "host_available_bytes": self.host_available,
+            "host_limit": self.host_limit,
+            "step_slowdown": self.step_slowdown,
+            "copy_seconds_per_image": self.copy_seconds,
         }
 
 
@@ -911,8 +1137,11 @@ def _reset(levers: Levers, lever: str, start: Levers) -> Levers:
     return replace(levers, **{f: getattr(start, f) for f in _LEVER_FIELDS[lever]})
 
 
-def _options(lever: str, spec: ModelSpec, shape: RunShape, levers: Levers, device: DeviceState) -> list[Levers]:
-    """Settings of ``lever`` stronger than the current one, mildest first."""
+def _options(
+    lever: str, spec: ModelSpec, shape: RunShape, levers: Levers, device: DeviceState, allow_fp8: bool = False
+) -> list[Levers]:
+    """Settings of ``lever`` stronger than the current one, mildest first; the weight levers on
+    CUDA only, fp8 storage only with ``allow_fp8``."""
     if lever == "allocator":
         return [replace(levers, expandable_segments=True)] if device.cuda and not levers.expandable_segments else []
     if lever == "attention":
@@ -937,7 +1166,49 @@ def _options(lever: str, spec: ModelSpec, shape: RunShape, levers: Levers, devic
                 tiles.append(tile)
             tile //= 2
         return [replace(levers, vae_tile=t) for t in tiles]
-    return [replace(levers, cpu_offload=True)] if device.cuda and not levers.cpu_offload else []
+    if not device.cuda or lever_unavailable(lever) or (lever == "fp8_storage" and not allow_fp8):
+        return []
+    if lever == "text_encoder_offload":
+        return [] if levers.text_encoder_offload or levers.cpu_offload else [replace(levers, text_encoder_offload=True)]
+    if lever == "cpu_offload":
+        return [] if levers.cpu_offload else [replace(levers, cpu_offload=True)]
+    if lever == "group_offload":
+        # It replaces model offload for the UNet (diffusers refuses both on one pipeline).
+        done = GROUP_OFFLOAD_TYPES.index(levers.group_offload) + 1 if levers.group_offload else 0
+        kinds = _cheaper_and_smaller(spec, GROUP_OFFLOAD_TYPES[done:])
+        return [replace(levers, group_offload=k, cpu_offload=False) for k in kinds]
+    if lever == "fp8_storage":
+        return [] if levers.fp8_storage else [replace(levers, fp8_storage=True)]
+    return [] if levers.sequential_offload else [replace(levers, sequential_offload=True, **_SUBSUMED)]
+
+
+# What sequential offload replaces: every other weight lever (it offloads every model itself).
+_SUBSUMED = {"text_encoder_offload": False, "cpu_offload": False, "group_offload": None, "fp8_storage": False}
+
+
+def _cheaper_and_smaller(spec: ModelSpec, kinds: tuple[str, ...]) -> list[str]:
+    """The group offload kinds, mildest in memory first, without those that a stronger one beats
+    on time too (:data:`STEP_SLOWDOWN`): on the H200 measurement, block level was slower than
+    leaf level for the SDXL UNet and saved less, so leaf level is the only one offered."""
+    cost = {k: STEP_SLOWDOWN[f"group_offload:{k}"] for k in kinds}
+    return [k for i, k in enumerate(kinds) if not any(cost[s] <= cost[k] for s in kinds[i + 1 :])]
+
+
+def lever_unavailable(lever: str) -> str | None:
+    """Why a weight lever cannot run with the installed libraries (None: it can)."""
+    import diffusers
+
+    if lever == "group_offload":
+        try:
+            from diffusers.hooks import apply_group_offloading  # noqa: F401
+        except ImportError:
+            return f"diffusers {diffusers.__version__} has no group offloading (diffusers.hooks.apply_group_offloading)"
+    if lever == "fp8_storage":
+        if not hasattr(torch, "float8_e4m3fn"):
+            return f"torch {torch.__version__} has no float8_e4m3fn"
+        if not hasattr(diffusers.ModelMixin, "enable_layerwise_casting"):
+            return f"diffusers {diffusers.__version__} has no layerwise casting (ModelMixin.enable_layerwise_casting)"
+    return None
 
 
 def _excess(est: Estimate, budget: int) -> int:
@@ -962,6 +1233,14 @@ def _setting(lever: str, levers: Levers, shape: RunShape) -> str:
         return f"UNet batch of {shape.unet_batch} in calls of {n}"
     if lever == "vae_tiling":
         return f"tiled VAE decode in {levers.vae_tile} px tiles"
+    if lever == "text_encoder_offload":
+        return "text encoders on the CPU between their calls"
+    if lever == "group_offload":
+        return f"UNet group offload ({levers.group_offload.replace('_', ' ')}, CUDA streams)"
+    if lever == "fp8_storage":
+        return "UNet weights stored in fp8 (float8_e4m3fn, approximate)"
+    if lever == "sequential_offload":
+        return "sequential CPU offload of every model"
     return "model CPU offload"
 
 
@@ -972,21 +1251,32 @@ def plan_for(
     device: DeviceState = DeviceState(),
     *,
     budget_label: str | None = None,
+    allow_fp8: bool = False,
 ) -> Plan:
     """Choose levers for ``shape`` on ``spec`` within ``budget`` bytes: cheapest first
     (:data:`LEVER_ORDER`) until the estimate fits, each at its mildest setting that fits, else at
     its strongest; then each lever taken is relaxed back to its mildest setting that does as well,
     since a later lever may have done its work. A lever that lowers the phases over the budget by
-    less than :data:`MIN_GAIN` is not taken. When nothing fits, the plan holds the levers that
+    less than :data:`MIN_GAIN` is not taken, nor a setting whose weights would not fit in
+    ``device.host_available`` (it would swap). When nothing fits, the plan holds the levers that
     lowered the estimate, and ``fits`` is False."""
     start = Levers(expandable_segments=device.expandable_segments)
     unplanned = estimate(spec, shape, start, device)
     levers, current, taken = start, unplanned, []
+    host_refused: list[Levers] = []
+
+    def options(lever: str, base: Levers) -> list[Levers]:
+        found = _options(lever, spec, shape, base, device, allow_fp8)
+        if device.host_available is None:
+            return found
+        host_refused.extend(o for o in found if host_weights(spec, o) > device.host_available)
+        return [o for o in found if host_weights(spec, o) <= device.host_available]
+
     for lever in LEVER_ORDER:
         if current.peak <= budget:
             break
         best: tuple[Levers, Estimate] | None = None
-        for option in _options(lever, spec, shape, levers, device):
+        for option in options(lever, levers):
             best = option, estimate(spec, shape, option, device)
             if best[1].peak <= budget:
                 break
@@ -1000,7 +1290,7 @@ def plan_for(
     target = _excess(current, budget)
     for lever in reversed([t for t in taken if t != "allocator"]):
         off = _reset(levers, lever, start)
-        for option in [off, *_options(lever, spec, shape, off, device)]:
+        for option in [off, *options(lever, off)]:
             if option == levers:
                 break
             est = estimate(spec, shape, option, device)
@@ -1024,6 +1314,26 @@ def plan_for(
             f"a size's first run autotunes the Triton kernels, with up to {format_bytes(TRITON_AUTOTUNE_SCRATCH)} "
             "more in its first denoising step (not in the estimate; autotune results are then kept on disk)"
         )
+    if device.cuda:
+        # An unavailable lever matters where the plan fails or takes a costlier one instead.
+        last = max((LEVER_ORDER.index(t) for t in taken), default=-1)
+        for i, lever in enumerate(LEVER_ORDER):
+            why = lever_unavailable(lever)
+            if why and (current.peak > budget or i < last):
+                notes.append(f"{lever.replace('_', ' ')} is unavailable: {why}")
+    if device.cuda and current.peak > budget:
+        if not allow_fp8 and not lever_unavailable("fp8_storage"):
+            with_fp8 = plan_for(spec, shape, budget, device, allow_fp8=True)
+            if with_fp8.estimate.peak < current.peak:
+                notes.append(f"with --allow-fp8 (approximate) the floor is {format_bytes(with_fp8.estimate.peak)}")
+    host_limit = None
+    if host_refused and current.peak > budget:
+        need = min(host_weights(spec, o) for o in host_refused)
+        host_limit = (
+            f"the host is the limit: a stronger plan keeps {format_bytes(need)} of weights in host memory, "
+            f"{format_bytes(device.host_available)} is available (it would swap)"
+        )
+    factor, copy_seconds = slowdown(spec, levers)
     return Plan(
         budget=budget,
         budget_label=budget_label or format_bytes(budget),
@@ -1034,6 +1344,11 @@ def plan_for(
         unplanned=unplanned,
         memory="reserved" if device.cuda else "host",
         notes=tuple(notes),
+        host_bytes=host_weights(spec, levers),
+        host_available=device.host_available,
+        host_limit=host_limit,
+        step_slowdown=factor,
+        copy_seconds=copy_seconds,
     )
 
 
@@ -1045,6 +1360,8 @@ def plan(
     width: int | None = None,
     batch: int = 1,
     cfg: bool = True,
+    device: torch.device | str | None = None,
+    allow_fp8: bool = False,
 ) -> Plan:
     """Plan the levers that fit a generation on ``pipe`` into ``budget``, without changing ``pipe``.
 
@@ -1055,16 +1372,63 @@ def plan(
         height, width: the image size (None: the model's native size).
         batch: images per pipeline call.
         cfg: classifier-free guidance (diffusers: a guidance scale > 1), which doubles the UNet batch.
+        device: where it will run, if not where it is (e.g. loaded on the CPU to run on CUDA).
+        allow_fp8: the plan may store the UNet's weights in fp8 (approximate).
 
     Returns a :class:`Plan`; ``plan.fits`` says whether its estimate is within the budget.
     """
     from sdpatch.models import default_size
 
-    spec = model_spec(pipe)
+    target = torch.device(device) if device is not None else None
+    spec = model_spec(pipe, target)
     size = default_size(pipe)
     shape = RunShape(height or size, width or size, batch, cfg)
-    nbytes, label = resolve_budget(budget, pipe._execution_device)
-    return plan_for(spec, shape, nbytes, device_state(pipe, spec), budget_label=label)
+    nbytes, label = resolve_budget(budget, target or pipe._execution_device)
+    state = device_state(pipe, spec, target)
+    return plan_for(spec, shape, nbytes, state, budget_label=label, allow_fp8=allow_fp8)
+
+
+# What a plan from configs assumes where it cannot look at the GPU (printed with it).
+GPU_ASSUMPTIONS = (
+    "every attention layer runs sdpatch auto as on CUDA: flash-style, no score buffer",
+    "the CUDA context (about 0.5 GiB, driver- and GPU-dependent) is outside the budget, which is PyTorch's reserved memory",
+    f"allocator: expandable segments, reserved = allocated + {RESERVE_OVER_ACTIVATIONS[True] - 1:.2f}x the activations "
+    "(fitted on an H200)",
+    f"cuDNN convolution workspace {CONV_WORKSPACE:g}x a convolution's input plus output (fitted on an H200)",
+)
+
+
+def plan_from_configs(
+    pipe: Any,
+    budget: float | str,
+    *,
+    device: str,
+    height: int | None = None,
+    width: int | None = None,
+    batch: int = 1,
+    cfg: bool = True,
+    allow_fp8: bool = False,
+) -> Plan:
+    """The plan for a pipeline built on the meta device from its configs (no weights, no GPU):
+    what ``sdpatch plan`` and ``generate --dry-run`` print. On ``cuda`` the device's state is
+    assumed (:data:`GPU_ASSUMPTIONS`, in the plan's notes): nothing else on the GPU, expandable
+    segments on (``--vram-budget`` asks for them); host memory is this machine's."""
+    from sdpatch.models import default_size
+
+    target = torch.device(device)
+    spec = model_spec(pipe, target)
+    cuda = target.type == "cuda"
+    if cuda:
+        flash = {name: AttentionCost() for name in spec.attention}
+        spec = replace(spec, attention=flash, auto_attention=flash)
+    if parse_budget(budget) == "auto":
+        raise PlannerError("a plan from configs needs a budget in GiB: 'auto' reads the device's free memory")
+    size = default_size(pipe)
+    shape = RunShape(height or size, width or size, batch, cfg)
+    nbytes, label = resolve_budget(budget, target)
+    state = DeviceState(cuda=cuda, expandable_segments=cuda, host_available=_host_available() if cuda else None)
+    chosen = plan_for(spec, shape, nbytes, state, budget_label=label, allow_fp8=allow_fp8)
+    return replace(chosen, notes=chosen.notes + (tuple(f"assumed: {a}" for a in GPU_ASSUMPTIONS) if cuda else ()))
 
 
 def fit(
@@ -1076,6 +1440,8 @@ def fit(
     batch: int = 1,
     cfg: bool = True,
     best_effort: bool = False,
+    device: torch.device | str | None = None,
+    allow_fp8: bool = False,
 ) -> Plan:
     """:func:`plan`, then :func:`apply_plan`: what ``--vram-budget`` does.
 
@@ -1083,12 +1449,12 @@ def fit(
     estimate) before anything changes, unless ``best_effort``: then the best plan is applied and
     a warning says by how much it is expected to miss.
     """
-    chosen = plan(pipe, budget, height=height, width=width, batch=batch, cfg=cfg)
+    chosen = plan(pipe, budget, height=height, width=width, batch=batch, cfg=cfg, device=device, allow_fp8=allow_fp8)
     if not chosen.fits and not best_effort:
         raise PlannerError(chosen.failure())
     if not chosen.fits:
         logger.warning("%s", chosen.failure(best_effort=True))
-    notes = apply_plan(pipe, chosen)
+    notes = apply_plan(pipe, chosen, device)
     return replace(chosen, notes=chosen.notes + tuple(notes))
 
 
@@ -1110,9 +1476,37 @@ def plan_lines(plan: dict[str, Any], measured: int | None) -> list[str]:
         head += f": {format_bytes(est - budget)} over budget"
     levers = "; ".join(f"{s['setting']} ({s['reason']})" for s in plan["levers"])
     lines = [head, "plan: " + (levers or ("no lever needed" if plan["fits"] else "no lever helps"))]
-    if plan["approximate"]:
-        lines.append("plan: tiled decode is the one approximate lever: the image may differ at the tiles' seams")
+    approximate = [s["setting"] for s in plan["levers"] if not s["exact"]]
+    if approximate:
+        lines.append(f"plan: approximate, the image may differ: {'; '.join(approximate)}")
+    costs = []
+    if plan.get("step_slowdown", 1.0) > 1.0:
+        costs.append(f"denoising steps about {plan['step_slowdown']:.1f}x slower")
+    if plan.get("copy_seconds_per_image"):
+        costs.append(f"+{plan['copy_seconds_per_image']:.2f} s per image of model copies")
+    if costs:
+        lines.append("plan cost (H200 measurements, docs/benchmarks.md): " + ", ".join(costs))
+    if plan.get("host_bytes"):
+        available = plan.get("host_available_bytes")
+        lines.append(
+            f"plan: {format_bytes(plan['host_bytes'])} of weights in host memory"
+            + (f" ({format_bytes(available)} available)" if available is not None else "")
+        )
     return lines + [f"plan note: {n}" for n in plan["notes"]]
+
+
+def estimate_lines(plan: dict[str, Any]) -> list[str]:
+    """Each phase's estimated peak with and without the plan (:meth:`Plan.to_dict`), for a plan
+    that is not run."""
+    what = "reserved" if plan["memory"] == "reserved" else "host"
+    lines = []
+    for planned, unplanned in zip(plan["estimate"], plan["unplanned"]):
+        lines.append(
+            f"  {PHASE_LABELS[planned['name']]:<14} {format_bytes(planned['reserved_bytes']):>10} {what}"
+            f"  (activations {format_bytes(planned['activations_bytes'])}; without the plan "
+            f"{format_bytes(unplanned['reserved_bytes'])}) at {planned['site']}"
+        )
+    return ["estimated peak per phase:", *lines]
 
 
 # -- putting a plan in place ------------------------------------------------------------------------
@@ -1197,12 +1591,14 @@ def _set_expandable_segments(on: bool) -> bool:
     return True
 
 
-def apply_plan(pipe: Any, plan: Plan | Levers) -> list[str]:
+def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None = None) -> list[str]:
     """Put ``plan``'s levers in place on ``pipe`` (after taking out any plan applied before).
 
-    Returns notes on what could not be done as planned (e.g. expandable segments, which PyTorch
-    only reads when CUDA initialises unless its private setter exists). :func:`remove_plan`
-    takes the levers out again.
+    ``device``: where the pipeline runs (default: where it is). A pipeline loaded on the CPU for a
+    plan with weight levers gets its weights placed from there, so that no weight reaches the GPU
+    in a form the plan does not keep (fp8 storage casts on the CPU). Returns notes on what could
+    not be done as planned (e.g. expandable segments, which PyTorch only reads when CUDA
+    initialises unless its private setter exists). :func:`remove_plan` takes the levers out again.
     """
     from diffusers.models.attention import FeedForward
 
@@ -1211,7 +1607,8 @@ def apply_plan(pipe: Any, plan: Plan | Levers) -> list[str]:
 
     remove_plan(pipe)
     levers = plan.levers if isinstance(plan, Plan) else plan
-    device = pipe._execution_device
+    moving = device is not None  # the caller names the run device: every model goes there
+    device = torch.device(device) if device is not None else pipe._execution_device
     undo: list[Callable[[], None]] = []
     notes: list[str] = []
     if levers.expandable_segments and device.type == "cuda" and not expandable_segments_on():
@@ -1244,16 +1641,100 @@ def apply_plan(pipe: Any, plan: Plan | Levers) -> list[str]:
         undo.append(_restorer([(vae, "use_tiling"), (vae, "tile_sample_min_size"), (vae, "tile_latent_min_size")]))
         vae.enable_tiling()
         vae.tile_sample_min_size, vae.tile_latent_min_size = levers.vae_tile, levers.vae_tile // pipe.vae_scale_factor
-    if levers.cpu_offload:
-        pipe.enable_model_cpu_offload(device=device)
-
-        def back_on_device() -> None:
-            pipe.remove_all_hooks()
-            pipe.to(device)
-
-        undo.append(back_on_device)
+    _place_weights(pipe, levers, device, undo, moving)
     setattr(pipe, _APPLIED, undo)
     return notes
+
+
+def weight_levers(levers: Levers) -> bool:
+    """Whether ``levers`` move weights off the run device or change how they are stored."""
+    return any(getattr(levers, f) for lever in _WEIGHT_LEVERS for f in _LEVER_FIELDS[lever])
+
+
+_WEIGHT_LEVERS = ("text_encoder_offload", "cpu_offload", "group_offload", "fp8_storage", "sequential_offload")
+
+
+def _place_weights(
+    pipe: Any, levers: Levers, device: torch.device, undo: list[Callable[[], None]], moving: bool
+) -> None:
+    """The weight levers, through diffusers' and accelerate's own offloading and casting; each
+    step's undo goes on ``undo``. Every model ends on ``device`` or under a hook that brings its
+    weights there when it runs."""
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    elsewhere = moving and any(p.device != device for c in modules.values() for p in c.parameters())
+    if not weight_levers(levers) and not elsewhere:
+        return
+    # Last undone: each model back where it was, its hooks' instance attributes gone, and the
+    # pipeline's offload bookkeeping as it was.
+    hooked = [m for c in modules.values() for m in c.modules()]
+    attributes = [(m, a) for m in hooked for a in ("forward", "_diffusers_hook", "_hf_hook", "_old_forward")]
+    attributes += [(pipe, a) for a in ("_all_hooks", "_offload_device", "_offload_gpu_id")]
+    restore_attributes = _restorer(attributes)
+    places = {name: next((p.device for p in c.parameters()), device) for name, c in modules.items()}
+
+    def back_in_place() -> None:
+        import accelerate.hooks
+
+        for c in modules.values():
+            accelerate.hooks.remove_hook_from_module(c, recurse=True)
+        restore_attributes()
+        for name, c in modules.items():
+            c.to(places[name])
+
+    undo.append(back_in_place)
+    cpu = torch.device("cpu")
+    if device.type == "cuda" and any(place.type == "cuda" for place in places.values()):
+        for c in modules.values():  # every weight lever starts from the CPU copy
+            c.to(cpu)
+        torch.cuda.empty_cache()
+    unet = pipe.unet
+    if levers.sequential_offload:
+        # What diffusers' enable_sequential_cpu_offload does, with the device as given: it names
+        # the CPU "cpu:0", on which accelerate's hooks fail (a plan on the CPU never takes this
+        # lever, but its tests run there).
+        from accelerate import cpu_offload
+
+        for c in modules.values():
+            cpu_offload(c, device, offload_buffers=len(c._parameters) > 0)
+        return
+    if levers.fp8_storage:
+        originals = [(t, t.data) for t in (*unet.parameters(), *unet.buffers())]
+
+        def exact_weights() -> None:  # layerwise casting's own removal refuses: fp8 lost precision
+            for t, data in originals:
+                t.data = data
+
+        undo.append(exact_weights)
+        unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=unet.dtype)
+    if levers.group_offload:
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(
+            unet,
+            onload_device=device,
+            offload_device=cpu,
+            offload_type=levers.group_offload,
+            num_blocks_per_group=1 if levers.group_offload == "block_level" else None,
+            use_stream=device.type == "cuda",
+        )
+    if levers.cpu_offload:
+        pipe.enable_model_cpu_offload(device=device)
+        return
+    resident = [name for name in modules if not (name == "unet" and levers.group_offload)]
+    if levers.text_encoder_offload:
+        from accelerate import cpu_offload_with_hook
+
+        hook = None
+        for name in _TEXT_ENCODERS:
+            if name in modules:
+                _, hook = cpu_offload_with_hook(modules[name], device, prev_module_hook=hook)
+                resident.remove(name)
+        if hook is not None:  # the last text encoder goes back to the CPU when the UNet starts
+            last = hook
+            handle = unet.register_forward_pre_hook(lambda *_: last.offload())
+            undo.append(handle.remove)
+    for name in resident:
+        modules[name].to(device)
 
 
 def _restorer(attributes: list[tuple[Any, str]]) -> Callable[[], None]:
