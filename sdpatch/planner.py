@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET, plan_chunks
+from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.errors import InputError
 from sdpatch.memory import MIB, PHASE_LABELS, format_bytes, host_resident_bytes, weights_bytes
 
@@ -135,8 +135,9 @@ class PlannerError(InputError):
 class AttentionCost:
     """How a component's attention layers use memory beyond their output.
 
-    ``flash``: nothing (PyTorch SDPA, sdpatch's Triton kernel, xformers). ``chunked``: sdpatch's
-    chunked backend, a score buffer of at most ``budget`` bytes. ``materialized``: diffusers'
+    ``flash``: nothing (PyTorch SDPA, sdpatch's triton and sdpa backends, xformers). ``chunked``:
+    sdpatch's chunked backend, a score buffer of at most ``budget`` bytes (its formula is the
+    backend's own, :func:`sdpatch.attention.chunked.workspace`). ``materialized``: diffusers'
     ``AttnProcessor`` (``slice`` None) or ``SlicedAttnProcessor`` (``slice`` batch x heads rows
     at a time), counted roughly as the score matrix and its softmax: the planner only replaces
     these, it does not plan with them.
@@ -306,19 +307,17 @@ def _resnet(m: _Live, g: _Grid, c_in: int, c_out: int, site: str, temb: bool = T
 def _score_buffer(
     cost: AttentionCost, batch: int, heads: int, nq: int, nk: int, head_dim: int, elem: int, upcast: bool = False
 ) -> float:
-    """Bytes an attention call holds beyond q, k, v and its output; ``upcast``: fp32 scores."""
-    f = 4 if upcast else elem
+    """Bytes an attention call holds beyond q, k, v and its output; ``upcast``: fp32 scores. An
+    sdpatch backend's is its own formula (:func:`sdpatch.attention.workspace_bytes`)."""
     if cost.kind == "flash":
         return 0
     if cost.kind == "materialized":
         rows = batch * heads if cost.slice is None else min(cost.slice, batch * heads)
-        return 2 * rows * nq * nk * f  # the scores and their softmax
-    # sdpatch's chunked backend, as ChunkedAttention sizes it: fp32 copies of k and v when
-    # upcasting, then whole query rows within the rest of its budget, each row counted as its
-    # scores, scaled query and P @ V result; the latter two are never alive at once.
-    copies = 2 * batch * heads * nk * head_dim * f if f != elem else 0
-    chunk = plan_chunks(batch, heads, nq, (nk + 2 * head_dim) * f, cost.budget - copies)
-    return copies + chunk.batch * chunk.heads * chunk.queries * (nk + head_dim) * f
+        return 2 * rows * nq * nk * (4 if upcast else elem)  # the scores and their softmax
+    from sdpatch.attention import workspace_bytes
+
+    return workspace_bytes("chunked", batch=batch, heads=heads, nq=nq, nk=nk, head_dim=head_dim, elem=elem,
+                           chunk_budget=cost.budget, upcast=upcast)
 
 
 def _attention(
