@@ -64,7 +64,8 @@ def check_replay(preset: str, side: int) -> None:
     with torch.no_grad():
         kw = unet_inputs(unet, 2, side)
         eager = runner.forward(**kw)[0]
-        runner(**kw)  # warm-up, then capture
+        for _ in range(graphs.WARMUP_CALLS):  # warm-up, then capture
+            runner(**kw)
         fresh = {**kw, "sample": torch.randn_like(kw["sample"])}
         want = runner.forward(**fresh)[0]
         start = time.perf_counter()

@@ -4,10 +4,10 @@ On a fast GPU a diffusers denoising step is bound by the host: PyTorch's eager m
 in Python and kernel launches than the GPU spends in the kernels (SD 1.5 at 512² on an H200: 28 ms a
 step eagerly, 12 ms replayed from a graph). :func:`capture` wraps a module's ``forward`` so that each
 new input signature (the tree of arguments, with every tensor's shape, dtype, device and strides, and
-every other value) runs eagerly ``warmup`` times, which autotunes and compiles the kernels, and is
-captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later call with that
-signature copies its tensors into the graph's inputs and replays it. The denoising loop's first step
-carries the warm-up and the capture; every other step is a replay. All of a module's graphs share one memory pool, so graphs of
+every other value) runs eagerly ``warmup`` times (:data:`WARMUP_CALLS`), which autotunes and compiles
+the kernels, and is captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later
+call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
+first two steps carry the warm-up and the capture; every other step is a replay. All of a module's graphs share one memory pool, so graphs of
 several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 _RUNNER = "_sdpatch_graphs"  # attribute on a captured module: its GraphRunner
 MAX_GRAPHS = 8  # signatures a module captures; past that, new ones run eagerly
+# Eager calls of a new signature before its capture: the Triton forward autotunes on a layout's first
+# call and launches through the JIT on its second; from the third on every launch is a compiled
+# binary's, so nothing is compiled, loaded or benchmarked inside the capture.
+WARMUP_CALLS = 2
 WARMUP = "warm-up of a new input signature"
 
 
@@ -92,7 +96,7 @@ class GraphRunner:
         module: torch.nn.Module,
         forward: Callable,
         *,
-        warmup: int = 1,
+        warmup: int = WARMUP_CALLS,
         max_graphs: int = MAX_GRAPHS,
         graph_factory: Callable[[], Any] | None = None,
         capture_context: Callable[..., Any] | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import RTOL, case, make_mask, make_qkv, rel_err
+from helpers import DT, RTOL, case, make_mask, make_qkv, rel_err
 from sdpatch import attention
 from sdpatch.attention.naive import attention_ref
 

@@ -14,7 +14,8 @@ import torch
 
 import arch
 import sdpatch
-from sdpatch import ops, patch_unet
+from sdpatch import patch_unet
+from sdpatch.attention import ops
 from sdpatch.attention.naive import attention_ref
 
 RTOL = 1e-5

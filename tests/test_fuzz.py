@@ -10,6 +10,7 @@ visits; its cases keep B * H * ceil(Nq / 16) * ceil(Nk / 16) <= TRITON_TILES.
 
 from __future__ import annotations
 
+import importlib
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import sdpatch.attention.chunked as chunked_module
+chunked_module = importlib.import_module("sdpatch.attention.chunked")
 from helpers import RTOL, rel_err
 from sdpatch import attention
 from sdpatch.attention.naive import attention_ref

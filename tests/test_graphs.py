@@ -58,6 +58,8 @@ class Capture:
 
 
 def fake_runner(module, **options) -> tuple[graphs.GraphRunner, Capture]:
+    """A runner with the stand-ins, warming up once (a call's worth of control flow is what counts)."""
+    options.setdefault("warmup", 1)
     capture = Capture()
     runner = graphs.GraphRunner(module, module.forward, graph_factory=FakeGraph, capture_context=capture,
                                 reserved=lambda: 0, **options)
@@ -159,7 +161,8 @@ def test_a_failed_capture_leaves_that_signature_eager(unet, caplog):
             yield
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    runner = graphs.GraphRunner(unet, unet.forward, graph_factory=FakeGraph, capture_context=Refuses(), reserved=lambda: 0)
+    runner = graphs.GraphRunner(unet, unet.forward, graph_factory=FakeGraph, capture_context=Refuses(), reserved=lambda: 0,
+                                warmup=1)
     FakeGraph.runner = runner
     kw = arch.unet_inputs(unet)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="sdpatch.graphs"):
@@ -193,3 +196,15 @@ def test_patching_again_drops_graphs_and_unpatching_releases_them(unet):
     assert runner.entries == {}
     unpatch_unet(unet)
     assert graphs.runner_of(unet) is None
+
+
+def test_the_default_warm_up_puts_every_launch_on_its_binary_before_the_capture(unet):
+    """Two eager calls: the Triton forward's first call autotunes and its second compiles through
+    the JIT, so that a capture records compiled binaries' launches only."""
+    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for _ in range(4):
+            runner(**kw)
+    assert graphs.WARMUP_CALLS == 2 and capture.captures == 1
+    assert runner.stats.eager_calls == 2 and runner.stats.replays == 2
