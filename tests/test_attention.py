@@ -275,8 +275,8 @@ def test_vector_align(D, dtype, layout, expect):
 def test_launch_plans_follow_the_layout():
     """A launch plan (constexprs, tuned tiles) is reused only by calls of the same layout:
     same shapes and strides but rows that start misaligned get their own plan, and no hints."""
-    from sdpatch.kernels import flash_fwd, runtime
-    from sdpatch.kernels.shared import LOG2E, plan_key
+    from sdpatch.kernels import flash_fwd
+    from sdpatch.kernels.shared import plan_key
 
     base = torch.randn(1, 2, 33, 48, generator=torch.Generator().manual_seed(0))
     aligned, shifted = base[..., :40], base[..., 3:43]  # rows 16-byte aligned / 12 bytes off
@@ -292,7 +292,7 @@ def test_launch_plans_follow_the_layout():
 def test_a_layout_seen_before_launches_from_its_plan(monkeypatch):
     """The second call of a layout reuses its plan's launch (grid, scalars, constexprs) with the
     new call's tensors, working none of it out again: new data, the answers a first call gives."""
-    from sdpatch.kernels import flash_fwd, runtime
+    from sdpatch.kernels import flash_fwd
     from sdpatch.kernels.shared import LOG2E, plan_key
 
     q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
@@ -344,13 +344,12 @@ class _Kernel:
 @pytest.fixture
 def direct_launch(monkeypatch):
     """Direct launches on, as on a CUDA device with triton >= 3.3; device 3's stream is 0x5EA."""
-    from sdpatch.kernels import flash_fwd, runtime
-    from sdpatch.kernels.shared import LOG2E, plan_key
+    from sdpatch.kernels import runtime
 
-    monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
-    monkeypatch.setattr(flash_fwd, "_DIRECT_LAUNCH", True)
-    monkeypatch.setattr(flash_fwd, "current_device_and_stream", lambda: (3, {3: 0x5EA}.get))
-    return flash_fwd
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(runtime, "_DIRECT_LAUNCH", True)
+    monkeypatch.setattr(runtime, "current_device_and_stream", lambda: (3, {3: 0x5EA}.get))
+    return runtime
 
 
 def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
@@ -358,7 +357,7 @@ def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
     binary's C launcher with every parameter in order, constexprs included, on the current stream
     of the device it was first launched on, and no launch hooks; a launcher that refuses that
     list turns direct launches off and goes back to the JIT."""
-    flash_fwd = direct_launch
+    runtime = direct_launch
     calls = []
     binaries = {}
     consts = {"FLAG": True, "BLOCK": 16, "num_warps": 4}
@@ -375,18 +374,17 @@ def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
 def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
     """With a launch hook registered (a profiler such as proton), the binary is launched through
     Triton's runner, which calls the hooks, instead of straight through its C launcher."""
-    flash_fwd = direct_launch
+    runtime = direct_launch
     calls = []
     binary = runtime.Binary(_Compiled(calls), (16, True))
-    monkeypatch.setattr(flash_fwd, "launch_hooked", lambda: True)
+    monkeypatch.setattr(runtime, "launch_hooked", lambda: True)
     runtime.launch(_Kernel(_Compiled(calls)), (2, 1, 1), ("x", 7), {}, {"key": binary}, "key")
     assert calls == [("runner", (2, 1, 1), ("x", 7, 16, True))]
 
 
 def test_launch_hooks_are_seen():
     """:func:`launch_hooked` notices a hook added the way proton adds its own, and its removal."""
-    from sdpatch.kernels import flash_fwd, runtime
-    from sdpatch.kernels.shared import LOG2E, plan_key
+    from sdpatch.kernels import runtime
 
     knobs = pytest.importorskip("triton.knobs")
     chain = knobs.runtime.launch_enter_hook
@@ -407,8 +405,7 @@ def test_launch_hooks_are_seen():
 def test_kv_tma_by_default_on_long_kernels(monkeypatch, n_q, n_k, expect):
     """Where the GPU allows TMA, the launcher takes it only where the kernel gains more than the
     descriptors cost the host: SD 1.5's 16,384-token self-attention, not 4096 tokens or 77 keys."""
-    from sdpatch.kernels import flash_fwd, runtime
-    from sdpatch.kernels.shared import LOG2E, plan_key
+    from sdpatch.kernels import flash_fwd
 
     monkeypatch.setattr(flash_fwd, "interpreting", lambda: False)
     monkeypatch.setattr(flash_fwd, "kv_tma_ok", lambda k, v: True)
