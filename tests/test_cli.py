@@ -490,3 +490,52 @@ def test_redrawing_a_missing_report_exits_2(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.startswith("sdpatch: error: cannot read ") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        pytest.param([], {"cuda_graphs": None, "compile": False}, id="default"),
+        pytest.param(["--no-cuda-graphs"], {"cuda_graphs": False, "compile": False}, id="no-cuda-graphs"),
+        pytest.param(["--cuda-graphs", "--compile"], {"cuda_graphs": True, "compile": True}, id="graphs-and-compile"),
+    ],
+)
+def test_speed_flags_reach_the_run(monkeypatch, flags, want):
+    """--cuda-graphs/--no-cuda-graphs and --compile are flags (no value) that reach the library's run."""
+    import typer
+
+    import sdpatch.generate
+
+    seen = {}
+
+    def run(request, **kwargs):
+        seen.update(kwargs)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(sdpatch.generate, "run", run)
+    result = invoke("generate", "a cat", *flags)
+    assert result.exit_code == 0, result.output
+    assert {k: seen[k] for k in want} == want
+
+
+@pytest.mark.parametrize(
+    "backend, device, planned, graphs",
+    [
+        pytest.param("auto", "cpu", False, False, id="cpu"),
+        pytest.param("stock", "cuda", False, False, id="stock-is-diffusers-as-it-is"),
+        pytest.param("auto", "cuda", False, True, id="patched-on-cuda"),
+        pytest.param("auto", "cuda", True, False, id="planned-budget"),
+    ],
+)
+def test_cuda_graphs_default(monkeypatch, backend, device, planned, graphs):
+    """Graphs are on by default only for a patched pipeline on CUDA without a --vram-budget plan."""
+    import torch
+
+    import sdpatch.generate as gen
+
+    monkeypatch.setattr(gen, "resolve_device", lambda d: torch.device(device))
+    monkeypatch.setattr(gen, "resolve_dtype", lambda d, dev: (torch.float16, None))
+    monkeypatch.setattr(gen, "backend_status", lambda dev: {"triton": (True, ""), "chunked": (True, ""), "sdpa": (True, "")})
+    setup = gen.check_setup(model="tiny", backend=backend, device=device, dtype="auto", allow_pickle=False, planned=planned)
+    assert setup.cuda_graphs is graphs
+    assert any("CUDA graphs off" in n for n in setup.notes) is (planned and device == "cuda" and backend != "stock")

@@ -208,3 +208,19 @@ def test_the_default_warm_up_puts_every_launch_on_its_binary_before_the_capture(
             runner(**kw)
     assert graphs.WARMUP_CALLS == 2 and capture.captures == 1
     assert runner.stats.eager_calls == 2 and runner.stats.replays == 2
+
+
+def test_compile_marks_each_repeated_transformer_block_and_turns_the_caches_on(monkeypatch, tmp_path):
+    """--compile: every BasicTransformerBlock compiled (lazily: nothing runs here), inductor's
+    on-disk caches on, in sdpatch's folder unless the user chose one."""
+    import os
+
+    from diffusers.models.attention import BasicTransformerBlock
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr("sdpatch.speed.CACHE_DIR", tmp_path / "inductor")
+    pipe = arch.sd_pipeline()
+    setup = speed_up(pipe, cuda_graphs=False, compile=True)
+    blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
+    assert setup.compile and blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
