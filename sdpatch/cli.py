@@ -20,7 +20,7 @@ from typer.core import TyperGroup
 from sdpatch import __version__
 from sdpatch.errors import InputError, RunError
 from sdpatch.progress import Progress
-from sdpatch.settings import CompareSettings, GenerationRequest, parse_backends, parse_sizes
+from sdpatch.settings import CompareSettings, GenerationRequest, RunOptions, parse_backends, parse_sizes
 
 try:  # typer >= 0.26 vendors click; older typers use click itself
     from typer._click import exceptions as click_exceptions
@@ -313,25 +313,17 @@ def generate(
         if note:
             logging.getLogger(__name__).warning("expandable segments stay off: %s", note)
     with Progress() as progress:
-        options: dict[str, Any] = dict(
-            model=model,
-            backend=backend,
-            device=device,
-            dtype=dtype,
-            output=output,
-            overwrite=overwrite,
-            report_json=report_json,
-            allow_pickle=allow_pickle,
-            progress=progress,
-            on_image=lambda record: progress.write(f"saved {record.path}"),
-            cuda_graphs=cuda_graphs,
-            compile=compile,
+        options = RunOptions(
+            model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle, output=output,
+            overwrite=overwrite, report_json=report_json, vram_budget=vram_budget, best_effort=best_effort,
+            allow_fp8=allow_fp8, cuda_graphs=cuda_graphs, compile=compile,
         )
+        show = dict(progress=progress, on_image=lambda record: progress.write(f"saved {record.path}"))
         if prompts_file is not None:
-            multi = run_prompts(request, prompts_file, **options)
+            multi = run_prompts(request, prompts_file, options, **show)
         else:
             refuse_launch_without_prompts_file()
-            result = run(request, **options, vram_budget=vram_budget, best_effort=best_effort, allow_fp8=allow_fp8)
+            result = run(request, options, **show)
     if prompts_file is not None:
         if multi.report is not None:  # the main process
             typer.echo(multi.report.format_table())

@@ -56,7 +56,7 @@ from sdpatch.models import (
 )
 from sdpatch.planner import Plan, fit, parse_budget, plan_from_configs, plan_lines, weight_levers
 from sdpatch.progress import Progress
-from sdpatch.settings import MAX_IMAGES, MAX_SEED, MAX_SIDE, GenerationRequest  # noqa: F401 (re-exported)
+from sdpatch.settings import MAX_IMAGES, MAX_SEED, MAX_SIDE, GenerationRequest, RunOptions  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -473,28 +473,16 @@ def host_oom_message(where: str, err: BaseException, images_done: int) -> str:
 
 def run(
     request: GenerationRequest,
+    options: RunOptions = RunOptions(),
     *,
-    model: str = "tiny",
-    backend: str = "auto",
-    device: str = "auto",
-    dtype: str = "auto",
-    output: Path | None = None,
-    overwrite: bool = False,
-    report_json: Path | None = None,
-    allow_pickle: bool = False,
     progress: Progress | bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
-    vram_budget: float | str | None = None,
-    best_effort: bool = False,
-    cuda_graphs: bool | None = None,
-    compile: bool = False,
-    allow_fp8: bool = False,
 ) -> GenerationResult:
     """What ``sdpatch generate`` does: check every input, then load, patch and generate.
 
     Everything that can be checked without loading weights is checked first and raises
     InputError, before anything is loaded or written. See :func:`plan_outputs` for ``output``.
-    ``vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
+    ``options.vram_budget`` (GiB or ``"auto"``) plans and applies memory levers (:func:`sdpatch.planner.fit`)
     before generating; a budget that cannot be met raises InputError then, unless ``best_effort``;
     one that the run misses shows in ``report.budget_miss``. A plan that moves weights off the GPU
     (planned from the configs first) loads the model on the CPU, so that the weights reach the GPU
@@ -503,13 +491,15 @@ def run(
     a progress line drawn on a terminal). ``cuda_graphs`` (None: on for a patched pipeline on CUDA,
     unless a budget is planned) and ``compile``: see :func:`sdpatch.speed.speed_up`.
     """
+    model, backend, dtype = options.model, options.backend, options.dtype
+    output, overwrite, report_json = options.output, options.overwrite, options.report_json
+    vram_budget, best_effort, allow_fp8 = options.vram_budget, options.best_effort, options.allow_fp8
     request.validate()
     if vram_budget is not None:
         parse_budget(vram_budget, "--vram-budget")
     elif best_effort or allow_fp8:
         raise InputError(f"{'--best-effort' if best_effort else '--allow-fp8'} is only used with --vram-budget")
-    setup = check_setup(model=model, backend=backend, device=device, dtype=dtype, allow_pickle=allow_pickle,
-                        cuda_graphs=cuda_graphs, compile=compile, planned=vram_budget is not None)
+    setup = check_setup(options)
     outputs = plan_outputs(output, request.seeds, overwrite=overwrite)
     if report_json is not None:
         check_output_file(report_json, overwrite=overwrite, what="--report-json", new_folder=outputs[0].parent)
@@ -632,36 +622,28 @@ class Setup:
         return pipe
 
 
-def check_setup(
-    *,
-    model: str,
-    backend: str,
-    device: str,
-    dtype: str,
-    allow_pickle: bool,
-    cuda_graphs: bool | None = None,
-    compile: bool = False,
-    planned: bool = False,
-) -> Setup:
+def check_setup(options: RunOptions) -> Setup:
     """Check the model, backend, device and dtype a run names; raise InputError for a bad one.
 
-    ``cuda_graphs`` None is on for a patched pipeline on CUDA without a memory plan (``planned``):
-    the graphs' pool is memory the planner does not budget, and ``stock`` means diffusers as it is."""
+    ``cuda_graphs`` None is on for a patched pipeline on CUDA without a memory plan: the graphs'
+    pool is memory the planner does not budget, and ``stock`` means diffusers as it is."""
+    backend, model, cuda_graphs = options.backend, options.model, options.cuda_graphs
+    planned = options.vram_budget is not None
     if backend not in GENERATE_BACKENDS:
         raise InputError(f"unknown backend {backend!r}: use one of {', '.join(GENERATE_BACKENDS)}")
-    torch_device = resolve_device(device)
-    torch_dtype, dtype_note = resolve_dtype(dtype, torch_device)
+    torch_device = resolve_device(options.device)
+    torch_dtype, dtype_note = resolve_dtype(options.dtype, torch_device)
     if backend not in ("stock", "auto"):
         ok, why = backend_status(torch_device)[backend]
         if not ok:
             raise InputError(f"backend {backend!r} cannot run on {torch_device}: {why}")
-    source = resolve_model(model, allow_pickle=allow_pickle)
+    source = resolve_model(model, allow_pickle=options.allow_pickle)
     notes = [n for n in (dtype_note, tokenizer_note(model)) if n]
     if cuda_graphs is None:
         cuda_graphs = torch_device.type == "cuda" and backend != "stock" and not planned
         if planned and torch_device.type == "cuda" and backend != "stock":
             notes.append("CUDA graphs off: --vram-budget plans memory without their pool")
-    return Setup(source, backend, torch_device, torch_dtype, notes, cuda_graphs=cuda_graphs, compile=compile)
+    return Setup(source, backend, torch_device, torch_dtype, notes, cuda_graphs=cuda_graphs, compile=options.compile)
 
 
 def apply_backend(pipe: Any, backend: str) -> None:

@@ -58,6 +58,7 @@ from sdpatch.generate import (
     MAX_SEED,
     GenerationRequest,
     ImageRecord,
+    RunOptions,
     Setup,
     check_output_file,
     check_setup,
@@ -327,28 +328,22 @@ class MultiResult:
 def run_prompts(
     request: GenerationRequest,
     prompts_file: Path,
+    options: RunOptions = RunOptions(),
     *,
-    model: str = "tiny",
-    backend: str = "auto",
-    device: str = "auto",
-    dtype: str = "auto",
-    output: Path | None = None,
-    overwrite: bool = False,
-    report_json: Path | None = None,
-    allow_pickle: bool = False,
     progress: Progress | bool = True,
     on_image: Callable[[ImageRecord], None] | None = None,
-    cuda_graphs: bool | None = None,
-    compile: bool = False,
 ) -> MultiResult:
     """What ``sdpatch generate --prompts-file`` does in each process (see the module docstring).
 
-    ``request`` holds every setting but the prompt; ``output`` is a folder (default: the current
-    one); the merged report goes to ``report_json``, by default ``sdpatch-report.json`` in that
-    folder, and each process's partial report beside it. Every input is checked, by every
-    process, before anything is loaded or written; a bad one raises InputError. ``cuda_graphs``
-    and ``compile`` as :func:`sdpatch.generate.run`'s: one graph per shape serves every prompt.
+    ``request`` holds every setting but the prompt; ``options.output`` is a folder (default: the
+    current one); the merged report goes to ``options.report_json``, by default
+    ``sdpatch-report.json`` in that folder, and each process's partial report beside it. Every
+    input is checked, by every process, before anything is loaded or written; a bad one raises
+    InputError. CUDA graphs and ``compile`` as in :func:`sdpatch.generate.run`: one graph per shape
+    serves every prompt. A memory plan (``vram_budget``) is not made for a prompts file.
     """
+    model, device, output, overwrite, report_json = (
+        options.model, options.device, options.output, options.overwrite, options.report_json)
     request.validate()
     prompts = read_prompts(prompts_file)
     images = len(prompts) * request.num_images
@@ -378,10 +373,7 @@ def run_prompts(
         run_id = [uuid.uuid4().hex if state.is_main_process else None]
         if state.num_processes > 1:
             broadcast_object_list(run_id)  # the last collective: nothing has run that could fail yet
-        setup = check_setup(
-            model=model, backend=backend, device=_process_device(state, device), dtype=dtype, allow_pickle=allow_pickle,
-            cuda_graphs=cuda_graphs, compile=compile,
-        )
+        setup = check_setup(replace(options, device=_process_device(state, device)))
         with state.split_between_processes(prompts) as share:
             mine = list(share)
         process = ProcessReport(
@@ -412,7 +404,7 @@ def run_prompts(
         report = MultiReport(
             prompts_file=str(prompts_file),
             model=model,
-            backend=backend,
+            backend=options.backend,
             dtype=str(setup.dtype).removeprefix("torch."),
             request=request,
             prompts=len(prompts),

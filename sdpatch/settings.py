@@ -1,4 +1,5 @@
-"""What a run is asked to do: :class:`GenerationRequest` (``sdpatch generate``) and
+"""What a run is asked to do: :class:`GenerationRequest` (what ``sdpatch generate`` makes),
+:class:`RunOptions` (how: model, device, outputs, memory and speed levers) and
 :class:`CompareSettings` (``sdpatch compare``), with the checks of their values.
 
 Nothing here imports torch or diffusers, so that the CLI refuses a bad value (``-H 63``) before
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sdpatch.errors import InputError
@@ -19,6 +21,34 @@ from sdpatch.errors import InputError
 MAX_SIDE = 16384
 MAX_IMAGES = 10_000
 MAX_SEED = 2**64 - 1  # the largest seed a torch.Generator takes
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a generation runs, carried whole from the CLI to :func:`sdpatch.generate.run`,
+    :func:`sdpatch.multi.run_prompts` and :func:`sdpatch.generate.check_setup`.
+
+    ``model``: a preset, a folder, a checkpoint file or a Hub repo id; ``backend``: ``stock`` or one
+    of sdpatch's; ``device`` and ``dtype``: ``auto`` or a name. ``output``, ``overwrite``,
+    ``report_json``: where results go (:func:`sdpatch.generate.plan_outputs`). ``vram_budget`` (GiB
+    or ``"auto"``), ``best_effort`` and ``allow_fp8``: the memory plan (:mod:`sdpatch.planner`).
+    ``cuda_graphs`` (None: on for a patched pipeline on CUDA without a plan) and ``compile``: the
+    speed levers (:mod:`sdpatch.speed`).
+    """
+
+    model: str = "tiny"
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    allow_pickle: bool = False
+    output: Path | None = None
+    overwrite: bool = False
+    report_json: Path | None = None
+    vram_budget: float | str | None = None
+    best_effort: bool = False
+    allow_fp8: bool = False
+    cuda_graphs: bool | None = None
+    compile: bool = False
 
 
 @dataclass(frozen=True)

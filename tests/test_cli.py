@@ -20,7 +20,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from helpers import FAST, console_script, invoke
-from sdpatch.generate import GenerationRequest, run, write_png
+from sdpatch.generate import GenerationRequest, RunOptions, run, write_png
 
 
 def files_under(folder: Path) -> dict[str, bytes]:
@@ -131,9 +131,7 @@ def test_an_interrupted_run_keeps_finished_images_and_a_valid_report(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(
             request,
-            device="cpu",
-            output=tmp_path / "out",
-            report_json=tmp_path / "r.json",
+            RunOptions(device="cpu", output=tmp_path / "out", report_json=tmp_path / "r.json"),
             progress=False,
             on_image=interrupt,
         )
@@ -442,7 +440,7 @@ def test_one_progress_line_follows_the_phases_on_a_terminal_only(tmp_path, monke
     request = GenerationRequest("a cat", height=64, width=64, steps=2, num_images=2)
     monkeypatch.setattr(sys, "stderr", _Terminal())
     with Progress() as progress:
-        run(request, device="cpu", output=tmp_path / "out", progress=progress)
+        run(request, RunOptions(device="cpu", output=tmp_path / "out"), progress=progress)
     shown = sys.stderr.getvalue()
     for label in ("building tiny on cpu", "image 1/2 · text encoding", "image 2/2 · denoising: ", "VAE decode"):
         assert label in shown
@@ -450,7 +448,7 @@ def test_one_progress_line_follows_the_phases_on_a_terminal_only(tmp_path, monke
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: nothing
     with Progress() as progress:
-        run(request, device="cpu", output=tmp_path / "again", progress=progress)
+        run(request, RunOptions(device="cpu", output=tmp_path / "again"), progress=progress)
     assert sys.stderr.getvalue() == ""
 
 
@@ -508,8 +506,8 @@ def test_speed_flags_reach_the_run(monkeypatch, flags, want):
 
     seen = {}
 
-    def run(request, **kwargs):
-        seen.update(kwargs)
+    def run(request, options, **kwargs):
+        seen.update(cuda_graphs=options.cuda_graphs, compile=options.compile)
         raise typer.Exit(0)
 
     monkeypatch.setattr(sdpatch.generate, "run", run)
@@ -536,6 +534,6 @@ def test_cuda_graphs_default(monkeypatch, backend, device, planned, graphs):
     monkeypatch.setattr(gen, "resolve_device", lambda d: torch.device(device))
     monkeypatch.setattr(gen, "resolve_dtype", lambda d, dev: (torch.float16, None))
     monkeypatch.setattr(gen, "backend_status", lambda dev: {"triton": (True, ""), "chunked": (True, ""), "sdpa": (True, "")})
-    setup = gen.check_setup(model="tiny", backend=backend, device=device, dtype="auto", allow_pickle=False, planned=planned)
+    setup = gen.check_setup(gen.RunOptions(backend=backend, device=device, vram_budget=2 if planned else None))
     assert setup.cuda_graphs is graphs
     assert any("CUDA graphs off" in n for n in setup.notes) is (planned and device == "cuda" and backend != "stock")

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from sdpatch.errors import InputError
 from sdpatch.generate import measured_call
 from sdpatch.memory import MemoryMeter
-from sdpatch.generate import check_setup
+from sdpatch.generate import RunOptions, check_setup
 from sdpatch.models import (
     build_preset,
     clip_bpe_file,
@@ -363,13 +363,13 @@ def test_full_size_presets_tokenize_as_clip():
     long = tokenizer(" ".join(["a tall lighthouse on a rocky coast"] * 20), truncation=True).input_ids
     assert len(long) == 77 and long[-1] == 49407
     assert preset_tokenizer("sdxl", pad_token="!").pad_token_id == 0  # SDXL's second tokenizer pads with "!"
-    assert check_setup(model="sd15", backend="stock", device="cpu", dtype="auto", allow_pickle=False).notes == []
+    assert check_setup(RunOptions(model="sd15", backend="stock", device="cpu")).notes == []
 
 
 def test_without_clips_vocabulary_a_full_size_preset_says_its_token_counts_are_not_clips(monkeypatch):
     monkeypatch.setattr("sdpatch.models.clip_bpe_file", lambda: None)
     assert len(preset_tokenizer("sd15")) == 533
-    (note,) = check_setup(model="sdxl", backend="stock", device="cpu", dtype="auto", allow_pickle=False).notes
+    (note,) = check_setup(RunOptions(model="sdxl", backend="stock", device="cpu")).notes
     assert note.startswith("the sdxl preset tokenizes with sdpatch's 533-entry stand-in vocabulary, not CLIP's")
     assert tokenizer_note("tiny") is None  # tiny's text encoder has the stand-in's 533 entries
 

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 import sdpatch.planner as planner
 from sdpatch.cli import app
 from sdpatch.compare import image_difference
-from sdpatch.generate import GenerationRequest, apply_backend, run
+from sdpatch.generate import GenerationRequest, RunOptions, apply_backend, run
 from sdpatch.memory import MIB, MemoryMeter, module_bytes
 from sdpatch.models import build_preset
 from sdpatch.planner import (
@@ -587,7 +587,7 @@ def test_best_effort_needs_a_budget(tmp_path):
 def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
     monkeypatch.setattr(planner, "device_state", lambda pipe, spec, device=None: DeviceState())
     request = GenerationRequest("a cat", height=512, width=512, steps=1)
-    result = run(request, device="cpu", output=tmp_path, vram_budget=46 / 1024)
+    result = run(request, RunOptions(device="cpu", output=tmp_path, vram_budget=46 / 1024))
     plan = result.report.plan
     assert [s["lever"] for s in plan["levers"]] == ["attention", "ff_chunking", "split_cfg", "vae_tiling"]
     assert plan["approximate"] and result.report.to_dict()["plan"] == plan

@@ -39,7 +39,7 @@ from helpers import FAST, console_script, invoke
 from sdpatch import BackendChoice, BackendUnavailableError, explain, patch_report, patch_unet
 from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.errors import InputError
-from sdpatch.generate import GenerationRequest, run
+from sdpatch.generate import GenerationRequest, RunOptions, run
 from sdpatch.models import resolve_model
 from sdpatch.attention.naive import attention_ref
 
@@ -310,9 +310,7 @@ def test_ctrl_c_in_the_middle_of_an_image(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(
             request,
-            device="cpu",
-            output=tmp_path / "out",
-            report_json=tmp_path / "r.json",
+            RunOptions(device="cpu", output=tmp_path / "out", report_json=tmp_path / "r.json"),
             progress=False,
             on_image=armed.append,
         )
