@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import secrets
 import time
@@ -32,6 +31,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from sdpatch.attention import BACKENDS, BackendUnavailableError, backend_status
+from sdpatch.environment import device_name, environment, versions  # noqa: F401 (environment: re-exported)
 from sdpatch.errors import InputError, OutputError, RunError, first_line
 from sdpatch.memory import (
     PHASE_LABELS,
@@ -748,53 +748,6 @@ def write_png(image: Image.Image, path: Path, text: dict[str, str]) -> None:
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` atomically."""
     atomic_write(path, lambda f: f.write(json.dumps(data, indent=2).encode()))
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or what kind of device it is."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        return f"CPU, {torch.get_num_threads()} threads"
-    return device.type.upper()
-
-
-def versions() -> dict[str, str | None]:
-    """Versions of the libraries that a measurement depends on (None: not installed)."""
-    import diffusers
-    import transformers
-
-    try:
-        import triton
-
-        triton_version: str | None = triton.__version__
-    except Exception:  # noqa: BLE001 (a broken triton install is as good as none)
-        triton_version = None
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton_version,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def environment() -> dict[str, Any]:
-    """What ``sdpatch info`` shows: versions, GPUs, and each backend's availability here."""
-    gpus = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            gpus.append({"index": i, "name": props.name, "memory_bytes": props.total_memory})
-    device = torch.device("cuda") if gpus else torch.device("cpu")
-    status = backend_status(device)
-    return {
-        "versions": versions(),
-        "gpus": gpus,
-        "backends_device": str(device),
-        "backends": {name: {"available": ok, "reason": why} for name, (ok, why) in status.items()},
-    }
 
 
 def check_folder(folder: Path, what: str) -> None:

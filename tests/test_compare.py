@@ -23,16 +23,17 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import sdpatch.compare as compare_lib
+import sdpatch.compare.cells as cells_lib
 from sdpatch.cli import app
 from sdpatch.compare import (
     BackendSwitcher,
     CompareSettings,
     image_difference,
-    is_oom,
     largest_fitting,
     vram_cap_bytes,
 )
 from sdpatch.errors import InputError
+from sdpatch.memory import PhaseStats, is_oom
 from sdpatch.models import build_preset
 
 BACKENDS = ["stock", "naive", "sliced", "sdpa", "chunked"]
@@ -71,7 +72,7 @@ def inject(monkeypatch, *rules: Rule) -> list:
 
     Returns a list that collects the loaded pipelines (to count loads).
     """
-    real_load, real_call = compare_lib.load_pipeline, compare_lib.measured_call
+    real_load, real_call = cells_lib.load_pipeline, cells_lib.measured_call
     loaded = []
     size = {}
 
@@ -98,8 +99,8 @@ def inject(monkeypatch, *rules: Rule) -> list:
         size["now"] = kwargs["height"]
         return real_call(pipe, meter, **kwargs)
 
-    monkeypatch.setattr(compare_lib, "load_pipeline", load)
-    monkeypatch.setattr(compare_lib, "measured_call", call)
+    monkeypatch.setattr(cells_lib, "load_pipeline", load)
+    monkeypatch.setattr(cells_lib, "measured_call", call)
     return loaded
 
 
@@ -290,7 +291,7 @@ def test_out_of_memory_is_a_result_and_the_run_goes_on(tmp_path, monkeypatch, ba
 
 def test_oom_in_the_measured_run_after_a_clean_warm_up(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = compare_lib.load_pipeline
+    real = cells_lib.load_pipeline
 
     def load(*args, **kwargs):
         pipe = real(*args, **kwargs)
@@ -304,7 +305,7 @@ def test_oom_in_the_measured_run_after_a_clean_warm_up(tmp_path, monkeypatch):
         pipe.unet.register_forward_pre_hook(hook)
         return pipe
 
-    monkeypatch.setattr(compare_lib, "load_pipeline", load)
+    monkeypatch.setattr(cells_lib, "load_pipeline", load)
     report = compare_lib.run(
         CompareSettings(sizes=(64,), backends=("stock", "naive"), steps=2), device="cpu", out=tmp_path / "o"
     )
@@ -514,10 +515,10 @@ def test_image_difference_and_json_safe_psnr():
     assert image_difference([a], [a]) == (0, math.inf)
     diff, psnr = image_difference([b], [a])
     assert diff == 3 and psnr == pytest.approx(10 * math.log10(255**2 / 9))
-    assert compare_lib._json_psnr(math.inf) is None and compare_lib._json_psnr(1.5) == 1.5
-    assert compare_lib._psnr_value(None, 0) == math.inf and compare_lib._psnr_value(None, None) is None
-    assert compare_lib._psnr_value("inf", 0) == math.inf  # as the reports under docs/compare/ hold it
-    assert compare_lib._format_psnr(math.inf) == "inf dB"  # in the table, the summary and the grid alike
+    assert compare_lib.json_psnr(math.inf) is None and compare_lib.json_psnr(1.5) == 1.5
+    assert compare_lib.psnr_value(None, 0) == math.inf and compare_lib.psnr_value(None, None) is None
+    assert compare_lib.psnr_value("inf", 0) == math.inf  # as the reports under docs/compare/ hold it
+    assert compare_lib.format_psnr(math.inf) == "inf dB"  # in the table, the summary and the grid alike
 
 
 def test_vram_cap_is_a_fraction_of_the_gpu_and_refused_off_cuda(monkeypatch):
@@ -564,7 +565,7 @@ BAD = [
 @pytest.mark.parametrize("args, message", BAD)
 def test_bad_input_is_one_line_exit_2_before_loading(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(compare_lib, "load_pipeline", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(cells_lib, "load_pipeline", lambda *a, **k: pytest.fail("loaded a model"))
     extra = args(tmp_path) if callable(args) else args
     before = files_under(tmp_path)
     result = invoke("compare", "--device", "cpu", "--sizes", "64", "--backends", "stock", *extra)
@@ -579,7 +580,7 @@ def test_bad_input_is_one_line_exit_2_before_loading(tmp_path, monkeypatch, args
 def test_a_backend_that_cannot_run_here_is_refused(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     status = {"triton": (False, "Triton kernels need a CUDA device"), "chunked": (True, ""), "sdpa": (True, "")}
-    monkeypatch.setattr(compare_lib, "backend_status", lambda device: status)
+    monkeypatch.setattr(cells_lib, "backend_status", lambda device: status)
     result = invoke("compare", "--device", "cpu", "--backends", "stock,triton")
     assert result.exit_code == 2
     expected = "sdpatch: error: backend 'triton' cannot run on cpu: Triton kernels need a CUDA device"
@@ -599,11 +600,11 @@ def test_a_cuda_report_shows_reserved_memory_the_cap_and_the_reference(tmp_path)
 
     def cell(backend: str, size: int, unet_gib: float | None) -> compare_lib.Cell:
         if unet_gib is None:
-            phases = [compare_lib.PhaseStats("denoising", 0.1, w + 30 * gib, w + 31 * gib)]
+            phases = [PhaseStats("denoising", 0.1, w + 30 * gib, w + 31 * gib)]
             return compare_lib.Cell(backend, size, status="oom", failed_phase="denoising", baseline=w, phases=phases)
         peak = int(w + unet_gib * gib)
-        unet = compare_lib.PhaseStats("denoising", 1, peak, int(w + 1.5 * unet_gib * gib), step_seconds=[1, 1])
-        vae = compare_lib.PhaseStats("vae_decode", 1, w + gib, w + 2 * gib)
+        unet = PhaseStats("denoising", 1, peak, int(w + 1.5 * unet_gib * gib), step_seconds=[1, 1])
+        vae = PhaseStats("vae_decode", 1, w + gib, w + 2 * gib)
         return compare_lib.Cell(backend, size, baseline=w, phases=[unet, vae], reference="stock", psnr_db=math.inf)
 
     report = compare_lib.CompareReport(
@@ -635,7 +636,7 @@ def test_more_steps_than_the_scheduler_has_is_refused_before_anything_is_written
 
 def timed(backend: str, steady: list[float], recheck: float | None = None) -> compare_lib.Cell:
     """A 64² cell whose denoising steps after the first took ``steady`` seconds."""
-    phases = [compare_lib.PhaseStats("denoising", 1, step_seconds=[1.0, *steady])]
+    phases = [PhaseStats("denoising", 1, step_seconds=[1.0, *steady])]
     return compare_lib.Cell(backend, 64, phases=phases, reference="stock", recheck_seconds_per_step=recheck)
 
 
