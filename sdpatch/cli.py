@@ -513,12 +513,8 @@ def compare(
     with Progress() as progress:
         report = run_compare(
             settings,
-            model=model,
-            device=device,
-            dtype=dtype,
+            RunOptions(model=model, device=device, dtype=dtype, allow_pickle=allow_pickle, overwrite=overwrite),
             out=out,
-            overwrite=overwrite,
-            allow_pickle=allow_pickle,
             progress=progress,
             on_cell=lambda cell: progress.write(("max-size probe " if cell.kind == "probe" else "") + cell.summary()),
         )

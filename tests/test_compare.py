@@ -33,6 +33,7 @@ from sdpatch.compare import (
     vram_cap_bytes,
 )
 from sdpatch.errors import InputError
+from sdpatch.settings import RunOptions
 from sdpatch.memory import PhaseStats, is_oom
 from sdpatch.models import build_preset
 
@@ -307,7 +308,7 @@ def test_oom_in_the_measured_run_after_a_clean_warm_up(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cells_lib, "load_pipeline", load)
     report = compare_lib.run(
-        CompareSettings(sizes=(64,), backends=("stock", "naive"), steps=2), device="cpu", out=tmp_path / "o"
+        CompareSettings(sizes=(64,), backends=("stock", "naive"), steps=2), RunOptions(device="cpu"), out=tmp_path / "o"
     )
     naive = report.cell("naive", 64)
     assert (naive.status, naive.failure, naive.during_warmup) == ("oom", "OOM in denoising", False)
@@ -454,7 +455,7 @@ def test_an_interrupted_run_keeps_its_finished_cells(tmp_path):
 
     settings = CompareSettings(sizes=(64, 128), backends=("stock", "sdpa"), steps=2, warmup=False)
     with pytest.raises(KeyboardInterrupt):
-        compare_lib.run(settings, device="cpu", out=tmp_path / "o", on_cell=stop_after_two)
+        compare_lib.run(settings, RunOptions(device="cpu"), out=tmp_path / "o", on_cell=stop_after_two)
     report = strict_json(tmp_path / "o" / "report.json")
     assert report["complete"] is False
     assert [(c["backend"], c["size"]) for c in report["cells"]] == [("stock", 64), ("sdpa", 64)]
@@ -464,7 +465,7 @@ def test_an_interrupted_run_keeps_its_finished_cells(tmp_path):
 
 def test_a_batch_keeps_every_image_and_compares_them_all(tmp_path):
     settings = CompareSettings(sizes=(64,), backends=("sdpa", "chunked"), steps=2, batch=2, warmup=False)
-    report = compare_lib.run(settings, device="cpu", out=tmp_path / "b")
+    report = compare_lib.run(settings, RunOptions(device="cpu"), out=tmp_path / "b")
     data = strict_json(tmp_path / "b" / "report.json")
     assert data["reference"] == "sdpa"  # no stock: the first backend is the reference
     assert data["unet_batch"] == 4
@@ -481,7 +482,7 @@ def test_without_matplotlib_the_chart_is_skipped_and_can_be_drawn_later(tmp_path
         for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.ticker"):
             mp.setitem(sys.modules, name, None)  # import raises ImportError
         settings = CompareSettings(sizes=(64,), backends=("stock",), steps=1, warmup=False)
-        report = compare_lib.run(settings, device="cpu", out=out)
+        report = compare_lib.run(settings, RunOptions(device="cpu"), out=out)
     assert report.chart is None and report.grid == "grid.png"
     assert not (out / "memory.png").exists()
     md = (out / "report.md").read_text()
@@ -695,7 +696,7 @@ def test_compare_shows_one_bar_over_its_cells_on_a_terminal(tmp_path, monkeypatc
     monkeypatch.setattr(sys, "stderr", Terminal())
     settings = CompareSettings(sizes=(64,), backends=("stock", "sdpa"), steps=1)
     with Progress() as progress:
-        compare_lib.run(settings, device="cpu", out=tmp_path / "o", progress=progress)
+        compare_lib.run(settings, RunOptions(device="cpu"), out=tmp_path / "o", progress=progress)
     shown = sys.stderr.getvalue()
     for label in ("building tiny on cpu", "warm-up: stock at 64²", "cells: 0/2", "64² sdpa: 1/2", "64² stock again"):
         assert label in shown

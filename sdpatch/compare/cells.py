@@ -30,7 +30,7 @@ from sdpatch.memory import MemoryMeter, format_bytes, is_oom, weights_bytes
 from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model, tokenizer_note
 from sdpatch.planner import apply_plan, fit, remove_plan, single_lever
 from sdpatch.progress import Progress
-from sdpatch.settings import SIZE_STEP, CompareSettings
+from sdpatch.settings import SIZE_STEP, CompareSettings, RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -484,21 +484,21 @@ def compare(
 
 def run(
     settings: CompareSettings,
+    options: RunOptions = RunOptions(),
     *,
-    model: str = "tiny",
-    device: str = "auto",
-    dtype: str = "auto",
     out: Path = Path("sdpatch-compare"),
-    overwrite: bool = False,
-    allow_pickle: bool = False,
     on_cell: Callable[[Cell], None] | None = None,
     progress: Progress | bool = True,
 ) -> CompareReport:
     """What ``sdpatch compare`` does: check every input, load the pipeline once, compare.
 
-    Every input is checked before anything is loaded or written (InputError). ``--vram-cap``
-    needs a CUDA device: on the CPU or MPS there is no allocator to cap, so it is refused.
+    ``options`` as for ``sdpatch generate`` (its model, device, dtype, ``allow_pickle`` and
+    ``overwrite``; the backends are the settings'). Every input is checked before anything is
+    loaded or written (InputError). ``--vram-cap`` needs a CUDA device: on the CPU or MPS there is
+    no allocator to cap, so it is refused.
     """
+    model, device, dtype, allow_pickle, overwrite = (
+        options.model, options.device, options.dtype, options.allow_pickle, options.overwrite)
     settings.validate()
     torch_device = resolve_device(device)
     torch_dtype, dtype_note = resolve_dtype(dtype, torch_device)
