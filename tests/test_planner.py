@@ -40,12 +40,15 @@ from sdpatch.planner import (
     apply_plan,
     decode_peak,
     estimate,
+    estimator,
     model_spec,
     parse_budget,
     plan_for,
     remove_plan,
+    search,
     unet_peak,
 )
+from sdpatch.planner import levers as lever_code
 
 FAST = ["--height", "64", "--width", "64", "--steps", "2", "--device", "cpu"]
 CUDA = DeviceState(cuda=True)  # estimates as on a GPU: cuDNN workspace, reserved memory
@@ -218,7 +221,7 @@ def test_model_replays_chunked_attention_and_split_cfg_on_tiny(tiny):
             traced = traced_unet(tiny, shape, batch=2)
         finally:
             remove_plan(tiny)
-        costs = planner._attention_costs(spec, levers)
+        costs = estimator._attention_costs(spec, levers)
         batch = levers.unet_micro_batch or 2
         modelled, _ = unet_peak(replace(spec, attention=costs), shape, batch=batch, ff_chunks=levers.ff_chunks)
         # Split CFG: the first half's output (4 latent channels) waits for the second half.
@@ -340,7 +343,7 @@ def test_levers_are_taken_cheapest_first_and_relaxed(tiny):
     assert chosen.fits
     # Each lever is needed: without any one of them the estimate is over the budget.
     for lever in lever_names(chosen):
-        without = planner._reset(chosen.levers, lever, Levers())
+        without = lever_code._reset(chosen.levers, lever, Levers())
         assert estimate(model_spec(tiny), chosen.shape, without).peak > chosen.budget
     # Relaxed: 4 MiB attention chunks and split CFG leave the feed-forward 2 chunks to do.
     assert chosen.levers.chunk_budget == 4 * MIB and chosen.levers.ff_chunks == 2
@@ -355,10 +358,10 @@ def test_gpu_only_levers(meta_pipes):
     spec = flash_spec(meta_pipes["sd15"])
     shape = RunShape(2048, 2048)
     chosen = plan_for(spec, shape, int(2.2 * GIB), CUDA)
-    assert lever_names(chosen)[0] == "allocator" and lever_names(chosen)[-1] in planner._WEIGHT_LEVERS
+    assert lever_names(chosen)[0] == "allocator" and lever_names(chosen)[-1] in lever_code._WEIGHT_LEVERS
     assert lever_names(chosen) == sorted(lever_names(chosen), key=LEVER_ORDER.index)
     on_host = plan_for(spec, shape, int(2.2 * GIB), DeviceState())
-    assert not {"allocator", *planner._WEIGHT_LEVERS} & set(lever_names(on_host))
+    assert not {"allocator", *lever_code._WEIGHT_LEVERS} & set(lever_names(on_host))
     assert not on_host.fits  # 2 GiB of weights stay resident
 
 
@@ -371,7 +374,7 @@ def test_an_impossible_budget_fails_cleanly_with_the_estimate(tiny):
     processors = dict(tiny.unet.attn_processors)
     with pytest.raises(PlannerError, match="cannot be met"):
         planner.fit(tiny, 0.001, height=64, width=64)
-    assert dict(tiny.unet.attn_processors) == processors and not hasattr(tiny, planner._APPLIED)
+    assert dict(tiny.unet.attn_processors) == processors and not hasattr(tiny, lever_code._APPLIED)
 
 
 def test_best_effort_applies_the_best_plan(tiny):
@@ -429,7 +432,7 @@ def test_no_lever_raises_the_estimate(meta_pipes, tiny):
         shape = RunShape(size, size)
         base = estimate(spec, shape, Levers(), device)
         for lever in LEVER_ORDER:
-            for option in planner._options(lever, spec, shape, Levers(), device):
+            for option in search._options(lever, spec, shape, Levers(), device):
                 est = estimate(spec, shape, option, device)
                 assert all(o.reserved <= b.reserved for o, b in zip(est.phases, base.phases)), option
 
@@ -503,7 +506,7 @@ def test_micro_batches_cut_every_batch_argument():
         seen.append((sample.shape[0], timestep.shape, encoder_hidden_states.shape[0], time_ids.shape))
         return (sample * 2,)
 
-    wrapped = planner._MicroBatchedUNet(forward, 1)
+    wrapped = lever_code._MicroBatchedUNet(forward, 1)
     x = torch.arange(4.0).reshape(2, 2)
     out = wrapped(x, torch.tensor(1.0), torch.zeros(2, 3), added_cond_kwargs={"time_ids": torch.zeros(2, 6)})
     assert torch.equal(out[0], x * 2)
@@ -585,7 +588,7 @@ def test_best_effort_needs_a_budget(tmp_path):
 
 
 def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
-    monkeypatch.setattr(planner, "device_state", lambda pipe, spec, device=None: DeviceState())
+    monkeypatch.setattr(search, "device_state", lambda pipe, spec, device=None: DeviceState())
     request = GenerationRequest("a cat", height=512, width=512, steps=1)
     result = run(request, RunOptions(device="cpu", output=tmp_path, vram_budget=46 / 1024))
     plan = result.report.plan
@@ -596,7 +599,7 @@ def test_run_applies_the_plan_and_reports_it(monkeypatch, tmp_path):
 
 
 def test_compare_gains_a_planned_column_with_each_levers_psnr(monkeypatch, tmp_path):
-    monkeypatch.setattr(planner, "device_state", lambda pipe, spec, device=None: DeviceState())
+    monkeypatch.setattr(search, "device_state", lambda pipe, spec, device=None: DeviceState())
     out = tmp_path / "cmp"
     args = ["compare", "--model", "tiny", "--device", "cpu", "--steps", "2", "--sizes", "256", "--no-warmup"]
     budget = str(34 / 1024)  # 34 MiB, 7 of them weights, 16 a first run's: split CFG and tiled decode
@@ -691,7 +694,7 @@ def test_fp8_storage_only_with_allow_fp8(monkeypatch, meta_pipes, allow_fp8):
     """SDXL at 1024² in 4.5 GiB where group offload is unavailable: the UNet in fp8 fits beside
     the rest; without --allow-fp8, only the last resort, sequential offload, does."""
     real = planner.lever_unavailable
-    monkeypatch.setattr(planner, "lever_unavailable", lambda lever: "test" if lever == "group_offload" else real(lever))
+    monkeypatch.setattr(search, "lever_unavailable", lambda lever: "test" if lever == "group_offload" else real(lever))
     spec = flash_spec(meta_pipes["sdxl"])
     chosen = plan_for(spec, RunShape(1024, 1024), int(4.5 * GIB), CUDA, allow_fp8=allow_fp8)
     assert chosen.fits
@@ -776,7 +779,7 @@ def test_a_plan_from_a_local_folders_configs(monkeypatch, tmp_path):
     model_index.json does, as in a real checkpoint. It plans as the preset does."""
     from sdpatch.configs import load_component_config
 
-    monkeypatch.setattr(planner, "_host_available", lambda: 16 * GIB)  # the same in both runs
+    monkeypatch.setattr(search, "_host_available", lambda: 16 * GIB)  # the same in both runs
     index = {"_class_name": "StableDiffusionPipeline"}
     for component in ("unet", "vae", "text_encoder", "scheduler"):
         cfg = load_component_config("sd15", component)
@@ -792,7 +795,7 @@ def test_a_plan_from_a_local_folders_configs(monkeypatch, tmp_path):
 
 
 def test_the_plan_command_refuses_a_plan_the_host_cannot_hold(monkeypatch):
-    monkeypatch.setattr(planner, "_host_available", lambda: GIB // 2)
+    monkeypatch.setattr(search, "_host_available", lambda: GIB // 2)
     result = invoke("plan", "-m", "sdxl", "-H", "1024", "-W", "1024", "--vram-budget", "3", "--device", "cuda")
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()

@@ -1,0 +1,102 @@
+"""Fit a generation into a memory budget: ``sdpatch generate --vram-budget`` and :func:`plan`.
+
+- :mod:`~sdpatch.planner.estimator`: the memory model, pure arithmetic on a :class:`ModelSpec`
+  (:func:`estimate`: the peak of each phase of a generation).
+- :mod:`~sdpatch.planner.spec`: a loaded pipeline and its device read into a :class:`ModelSpec`
+  and a :class:`DeviceState`.
+- :mod:`~sdpatch.planner.levers`: the levers' settings, :func:`apply_plan` and :func:`remove_plan`.
+- :mod:`~sdpatch.planner.search`: the levers a budget needs (:func:`plan_for`, :func:`plan`,
+  :func:`fit`, :func:`plan_from_configs`) and a plan's report lines.
+"""
+
+from sdpatch.planner.estimator import (
+    CONV_WORKSPACE,
+    GIB,
+    GPU_ASSUMPTIONS,
+    HOST_RESERVE_OVER_ACTIVATIONS,
+    PHASES,
+    RESERVE_OVER_ACTIVATIONS,
+    STEP_SLOWDOWN,
+    AttentionCost,
+    DeviceState,
+    Estimate,
+    ModelSpec,
+    PhaseEstimate,
+    PlannerError,
+    RunShape,
+    decode_peak,
+    estimate,
+    host_weights,
+    slowdown,
+    unet_peak,
+)
+from sdpatch.planner.levers import (
+    EXACT_LEVERS,
+    LEVER_ORDER,
+    Levers,
+    apply_plan,
+    expandable_segments_on,
+    lever_unavailable,
+    remove_plan,
+    request_expandable_segments,
+    single_lever,
+    weight_levers,
+)
+from sdpatch.planner.search import (
+    Plan,
+    PlanStep,
+    estimate_lines,
+    fit,
+    parse_budget,
+    plan,
+    plan_for,
+    plan_from_configs,
+    plan_lines,
+    resolve_budget,
+)
+from sdpatch.planner.spec import device_state, model_spec, offload_footprints
+
+__all__ = [
+    "CONV_WORKSPACE",
+    "EXACT_LEVERS",
+    "GIB",
+    "GPU_ASSUMPTIONS",
+    "HOST_RESERVE_OVER_ACTIVATIONS",
+    "LEVER_ORDER",
+    "PHASES",
+    "RESERVE_OVER_ACTIVATIONS",
+    "STEP_SLOWDOWN",
+    "AttentionCost",
+    "DeviceState",
+    "Estimate",
+    "Levers",
+    "ModelSpec",
+    "PhaseEstimate",
+    "Plan",
+    "PlanStep",
+    "PlannerError",
+    "RunShape",
+    "apply_plan",
+    "decode_peak",
+    "device_state",
+    "estimate",
+    "estimate_lines",
+    "expandable_segments_on",
+    "fit",
+    "host_weights",
+    "lever_unavailable",
+    "model_spec",
+    "offload_footprints",
+    "parse_budget",
+    "plan",
+    "plan_for",
+    "plan_from_configs",
+    "plan_lines",
+    "remove_plan",
+    "request_expandable_segments",
+    "resolve_budget",
+    "single_lever",
+    "slowdown",
+    "unet_peak",
+    "weight_levers",
+]

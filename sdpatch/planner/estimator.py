@@ -1,0 +1,755 @@
+"""The estimator: an analytic model of a generation's peak memory, phase by phase (text encoding,
+denoising, VAE decode), from the components' configs and the weights' size. Pure arithmetic on a
+:class:`ModelSpec`: nothing here touches a pipeline or a device.
+
+It replays, block by block, the allocations and frees of diffusers' forward passes (the UNet's
+skip connections, each ResNet's norm/SiLU/conv temporaries, each transformer block's attention
+projections and GEGLU feed-forward, the VAE decoder's upsampling), which gives the live bytes a
+caching allocator sees, without its rounding. On CUDA it adds cuDNN's convolution workspace, and
+the allocator's reserve over allocated; on the host, the process's resident memory over its tensors.
+
+Calibration (H200, fp16, torch 2.11, 2026-11-30, docs/benchmarks.md): the liveness alone
+reproduces the SD 1.5 UNet call peaks over the weights exactly (131 / 520 / 2080 MiB at
+512 / 1024 / 2048 px, batch 2); the VAE decode and SDXL UNet peaks sit above liveness by one
+convolution's input plus output bytes (:data:`CONV_WORKSPACE`). What this does not model: Triton
+autotuning's scratch buffer on a shape's first run, and reserved memory under expandable
+segments, which was never measured (:data:`RESERVE_OVER_ACTIVATIONS`). ``scripts/check_planner.py``
+compares estimates with measured peaks on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
+from sdpatch.errors import InputError
+from sdpatch.memory import MIB, PHASE_LABELS
+from sdpatch.planner.levers import Levers
+
+GIB = 1024**3
+
+# cuDNN convolutions (fp16, H200) take a workspace of about their input plus their output bytes,
+# as an NCHW -> NHWC copy of both would. Fitted on the H200 measurements the liveness model falls
+# short of: VAE decode peak over the weights 610 MiB / 2.4 GiB / 9.5 GiB at 512 / 1024 /
+# 2048 px, where liveness alone gives 384 / 1536 / 6144 MiB and the 256 -> 256 channel upsampler
+# conv at full size holds 352 / 1408 / 5632 MiB plus 256 / 1024 / 4096 MiB in and out; SDXL UNet
+# call 325 / 1286 MiB at 1024 / 2048 px, liveness
+# 315 / 1260 MiB. A factor of 1.0 gives 608 MiB / 2.38 / 9.50 GiB and 320 / 1280 MiB.
+CONV_WORKSPACE = 1.0
+
+# Reserved over allocated, as a factor on the activations (the weights are allocated once, in
+# blocks that stay). Without expandable segments, from SD 1.5 stock end to end (3.1 /
+# 3.7, 4.9 / 6.9, 12.0 / 19.9 GiB allocated / reserved over 2.58 GiB of weights and this model's
+# decode peaks of 0.59 / 2.38 / 9.50 GiB): activations reserve 1.89 / 1.82 / 1.82x what they
+# allocate where the VAE decode is the peak (1.13x in the tiled run, where the UNet is; the
+# README's sd15 run: 1.85x stock, 1.35x auto). With expandable segments (scripts/check_planner.py,
+# H200, 2026-11-30): full-size VAE decodes reserve 1.14-1.16x their activations (SD 1.5 and SDXL
+# at 512-2048 px), the UNet 1.06-1.28x (SDXL 2048 px highest). 1.10, assumed before that run,
+# underestimated SDXL 2048 px with an 8 GiB budget by 5 % (8.40 GiB reserved against 7.96), so
+# the plan missed its budget; 1.16 would have estimated 8.07 and added split CFG.
+RESERVE_OVER_ACTIVATIONS = {True: 1.16, False: 1.90}
+
+# On the host the budget is the process's resident memory, which holds more than the tensors do:
+# glibc's heap keeps freed blocks below its (growing) mmap threshold, oneDNN reorders each
+# convolution's input and output (as CONV_WORKSPACE models) and its weights into blocked layouts
+# outside PyTorch's allocator, and a first call maps code and JIT-compiles kernels. Measured on the
+# CPU (torch 2.13, glibc, 1 thread, fp32, 2026-12-01): with MALLOC_MMAP_THRESHOLD_ fixed, resident
+# memory over the liveness peak was a first call's 14-20 MiB (tiny) and 63-86 MiB (sd15 at 256 px:
+# its largest convolution's weights, 118 MiB in fp32, are reordered); glibc's default adds
+# 0.3-1.9x the activations. 1.5x the activations with the convolutions' workspace, the largest
+# convolution's weights and HOST_FIRST_RUN: sd15 256 px (issue 32's case, 4.63 GiB estimated,
+# 4.82-4.90 measured) is estimated within +1 %, tiny at 128-512 px within -4...+6 % (the tiny
+# 256 px decode is the one under).
+HOST_RESERVE_OVER_ACTIVATIONS = 1.5
+
+HOST_FIRST_RUN = 16 * MIB
+
+# Triton's autotuner benchmarks with a 256 MB L2-flush buffer (triton.testing.do_bench): the
+# README's first sd15 run shows it, 2.34 GiB denoising peak against 1.99 + 0.13 GiB.
+TRITON_AUTOTUNE_SCRATCH = 256 * 10**6
+
+PHASES = tuple(PHASE_LABELS)
+
+# The cost model: each weight lever's factor on a denoising step, measured on an H200 (issue 29,
+# SDXL UNet at 1024² and batch 2, fp16, torch 2.11, diffusers 0.42.1: 142 ms per step without a
+# lever). Group offload streams every weight each step, so the factor shrinks where the step's
+# compute grows (larger images); at smaller ones it may be larger. Not measured: sequential
+# offload (assumed no faster than leaf-level group offload without streams, 2x its factor), and
+# the per-image copies of the text encoder and model offloads, counted in seconds at
+# HOST_TO_DEVICE_BYTES_PER_S.
+STEP_SLOWDOWN = {
+    "group_offload:block_level": 455 / 142,
+    "group_offload:leaf_level": 350 / 142,
+    "fp8_storage": 259 / 142,
+    "sequential_offload": 2 * 350 / 142,
+}
+
+HOST_TO_DEVICE_BYTES_PER_S = 12e9  # pageable copies over PCIe 4/5 x16: an assumption, not measured
+
+TEXT_TOKENS = 77  # CLIP's context: diffusers pads every prompt to it
+
+
+class PlannerError(InputError):
+    """The planner cannot model this pipeline (an unknown block type), or a budget is malformed."""
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """How a component's attention layers use memory beyond their output.
+
+    ``flash``: nothing (PyTorch SDPA, sdpatch's triton and sdpa backends, xformers). ``chunked``:
+    sdpatch's chunked backend, a score buffer of at most ``budget`` bytes (its formula is the
+    backend's own, :func:`sdpatch.attention.chunked.workspace`). ``materialized``: diffusers'
+    ``AttnProcessor`` (``slice`` None) or ``SlicedAttnProcessor`` (``slice`` batch x heads rows
+    at a time), counted roughly as the score matrix and its softmax: the planner only replaces
+    these, it does not plan with them.
+    """
+
+    kind: Literal["flash", "chunked", "materialized"] = "flash"
+    budget: int = DEFAULT_CHUNK_BUDGET
+    slice: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the estimator uses: configs, weights, dtype, attention costs.
+
+    ``weights`` are bytes per component; ``resident`` names the components whose weights are on
+    the run device now. ``vae_upcast``: the pipeline decodes in fp32 (SDXL's ``force_upcast``).
+    ``attention`` is each component's attention cost now (keys ``unet``, ``vae``);
+    ``auto_attention`` what sdpatch's ``auto`` backend would give it on this device.
+    """
+
+    unet: dict[str, Any]
+    vae: dict[str, Any]
+    text_encoders: tuple[dict[str, Any], ...]
+    weights: dict[str, int]
+    resident: frozenset[str]
+    dtype_bytes: int
+    vae_upcast: bool = False
+    attention: dict[str, AttentionCost] = field(default_factory=dict)
+    auto_attention: dict[str, AttentionCost] = field(default_factory=dict)  # what sdpatch auto would give
+    triton: bool = False  # some layer runs sdpatch's Triton kernel: autotuning on a first run
+    # Per component, its weights' bytes on the device while it runs under each offload kind
+    # (:func:`offload_footprints`); offloaded, an idle component holds none there.
+    footprints: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def vae_scale(self) -> int:
+        return 2 ** (len(self.vae["block_out_channels"]) - 1)
+
+    @property
+    def default_tile(self) -> int:
+        """diffusers' VAE tile side in pixels: the VAE's ``sample_size``."""
+        size = self.vae["sample_size"]
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What one pipeline call generates: size, images per call, classifier-free guidance."""
+
+    height: int
+    width: int
+    batch: int = 1
+    cfg: bool = True
+
+    @property
+    def unet_batch(self) -> int:
+        return self.batch * (2 if self.cfg else 1)
+
+
+class _Live:
+    """Bytes alive during a forward pass, allocation by allocation, and their peak.
+
+    ``new`` allocates an op's output, ``free`` releases tensors whose last reference is gone.
+    ``workspace`` (bytes) is held only while the op runs: cuDNN's convolution workspace, an
+    attention score buffer.
+    """
+
+    def __init__(self, conv_workspace: float) -> None:
+        self.now = 0
+        self.peak = 0
+        self.site = ""
+        self.conv_workspace = conv_workspace
+
+    def new(self, nbytes: float, site: str, workspace: float = 0) -> float:
+        self.now += nbytes
+        if self.now + workspace > self.peak:
+            self.peak, self.site = self.now + workspace, site
+        return nbytes
+
+    def conv(self, nbytes_in: float, nbytes_out: float, site: str) -> float:
+        return self.new(nbytes_out, site, self.conv_workspace * (nbytes_in + nbytes_out))
+
+    def free(self, *nbytes: float) -> None:
+        self.now -= sum(nbytes)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """A feature map's spatial size, batch and element bytes; ``g(c)`` is the bytes of ``c`` channels."""
+
+    h: int
+    w: int
+    batch: int
+    elem: int
+
+    def __call__(self, channels: float) -> float:
+        return channels * self.h * self.w * self.batch * self.elem
+
+    @property
+    def tokens(self) -> int:
+        return self.h * self.w
+
+    def down(self) -> _Grid:
+        # A 3x3 stride-2 convolution with padding 1: ceil(n / 2).
+        return replace(self, h=-(-self.h // 2), w=-(-self.w // 2))
+
+    def up(self) -> _Grid:
+        return replace(self, h=self.h * 2, w=self.w * 2)
+
+
+def _resnet(m: _Live, g: _Grid, c_in: int, c_out: int, site: str, temb: bool = True) -> float:
+    """diffusers' ResnetBlock2D on an input its caller holds; returns the output's bytes."""
+    a = m.new(g(c_in), site)  # norm1
+    b = m.new(g(c_in), site)  # SiLU, while the norm's output is still bound
+    m.free(a)
+    c = m.conv(b, g(c_out), site + ".conv1")
+    m.free(b)
+    if temb:  # + the time embedding: a new tensor
+        d = m.new(g(c_out), site)
+        m.free(c)
+        c = d
+    e = m.new(g(c_out), site)  # norm2
+    m.free(c)
+    f = m.new(g(c_out), site)  # SiLU
+    m.free(e)
+    h = m.conv(f, g(c_out), site + ".conv2")
+    m.free(f)
+    s = m.conv(g(c_in), g(c_out), site + ".conv_shortcut") if c_in != c_out else 0
+    t = m.new(g(c_out), site)  # input + h
+    out = m.new(g(c_out), site)  # / output_scale_factor
+    m.free(t, h, s)
+    return out
+
+
+def _score_buffer(
+    cost: AttentionCost, batch: int, heads: int, nq: int, nk: int, head_dim: int, elem: int, upcast: bool = False
+) -> float:
+    """Bytes an attention call holds beyond q, k, v and its output; ``upcast``: fp32 scores. An
+    sdpatch backend's is its own formula (:func:`sdpatch.attention.workspace_bytes`)."""
+    if cost.kind == "flash":
+        return 0
+    if cost.kind == "materialized":
+        rows = batch * heads if cost.slice is None else min(cost.slice, batch * heads)
+        return 2 * rows * nq * nk * (4 if upcast else elem)  # the scores and their softmax
+    from sdpatch.attention import workspace_bytes
+
+    return workspace_bytes("chunked", batch=batch, heads=heads, nq=nq, nk=nk, head_dim=head_dim, elem=elem,
+                           chunk_budget=cost.budget, upcast=upcast)
+
+
+def _attention(
+    m: _Live, g: _Grid, channels: int, heads: int, kv_tokens: int | None, cost: AttentionCost, site: str
+) -> float:
+    """diffusers' Attention on (B, N, C) input, AttnProcessor2_0's recipe (sdpatch's processor
+    follows it); ``kv_tokens`` None for self-attention. Returns the output's bytes."""
+    x = g(channels)
+    kv = x if kv_tokens is None else channels * kv_tokens * g.batch * g.elem
+    q = m.new(x, site)
+    k = m.new(2 * kv, site)  # k and v
+    buffer = _score_buffer(cost, g.batch, heads, g.tokens, kv_tokens or g.tokens, channels // heads, g.elem)
+    # Laid out like q, (B, N, H, D) in memory (every SDPA kernel, sdpatch's too): back to
+    # (B, N, H * D) is a view.
+    o = m.new(x, site + ".attention", buffer)
+    lin = m.new(x, site)  # to_out
+    m.free(o)
+    out = m.new(x, site)  # / rescale_output_factor
+    m.free(lin, q, k)
+    return out
+
+
+def _feed_forward(m: _Live, g: _Grid, dim: int, inner: int, chunks: int, site: str) -> float:
+    """diffusers' FeedForward with GEGLU (a projection to 2 x inner, GELU of the gate, their product,
+    a projection back), in ``chunks`` token chunks written into one output (:class:`_ChunkedFeedForward`)."""
+    if chunks <= 1:
+        p = m.new(g(2 * inner), site + ".ff")
+        gelu = m.new(g(inner), site + ".ff")
+        y = m.new(g(inner), site + ".ff")
+        m.free(p, gelu)
+        out = m.new(g(dim), site + ".ff")
+        m.free(y)
+        return out
+    out = m.new(g(dim), site + ".ff")
+    part = -(-g.tokens // chunks) / g.tokens  # the first chunk is the largest
+    copy = g(dim) * part if g.batch > 1 else 0  # a token slice of a batch > 1 is strided: Linear copies it
+    peak = m.new(copy + g(4 * inner) * part, site + ".ff")
+    m.free(peak)
+    return out
+
+
+def _transformer(
+    m: _Live,
+    g: _Grid,
+    channels: int,
+    heads: int,
+    depth: int,
+    linear: bool,
+    ff_chunks: int,
+    cost: AttentionCost,
+    site: str,
+) -> float:
+    """diffusers' Transformer2DModel (continuous input) on an input its caller holds."""
+    n = m.new(g(channels), site)  # GroupNorm
+    if linear:
+        r = m.new(g(channels), site)  # (B, C, H, W) -> (B, HW, C) is a copy
+        m.free(n)
+        hs = m.new(g(channels), site)  # proj_in
+        m.free(r)
+    else:
+        p = m.conv(n, g(channels), site + ".proj_in")
+        m.free(n)
+        hs = m.new(g(channels), site)  # the copy to (B, HW, C)
+        m.free(p)
+    for j in range(depth):
+        block = f"{site}.transformer_blocks.{j}"
+        n1 = m.new(g(channels), block)
+        a1 = _attention(m, g, channels, heads, None, cost, block + ".attn1")
+        h2 = m.new(g(channels), block)  # + residual
+        n2 = m.new(g(channels), block)
+        m.free(n1)
+        a2 = _attention(m, g, channels, heads, TEXT_TOKENS, cost, block + ".attn2")
+        m.free(a1)  # attn_output now names attn2's result, which it keeps until the block returns
+        h3 = m.new(g(channels), block)
+        m.free(h2)
+        n3 = m.new(g(channels), block)
+        m.free(n2)
+        f = _feed_forward(m, g, channels, 4 * channels, ff_chunks, block)
+        out = m.new(g(channels), block)
+        m.free(f, h3, n3, a2, hs)  # the block's input goes when the caller rebinds it
+        hs = out
+    if linear:
+        o = m.new(g(channels), site)  # proj_out
+        m.free(hs)
+        c = m.new(g(channels), site)  # back to (B, C, H, W), contiguous
+        m.free(o)
+    else:
+        c0 = m.new(g(channels), site)
+        m.free(hs)
+        c = m.conv(c0, g(channels), site + ".proj_out")
+        m.free(c0)
+    out = m.new(g(channels), site)  # + residual
+    m.free(c)
+    return out
+
+
+def _unet(m: _Live, spec: ModelSpec, shape: RunShape, batch: int, ff_chunks: int) -> None:
+    """diffusers' UNet2DConditionModel.forward for SD 1.x, 2.x and SDXL block types."""
+    cfg = spec.unet
+    n = len(cfg["down_block_types"])
+    chans = list(cfg["block_out_channels"])
+    heads = _per_block(cfg.get("num_attention_heads") or cfg["attention_head_dim"], n)
+    layers = _per_block(cfg["layers_per_block"], n)
+    depth = _per_block(cfg.get("transformer_layers_per_block") or 1, n)
+    up_depth = list(cfg.get("reverse_transformer_layers_per_block") or depth[::-1])
+    linear = bool(cfg.get("use_linear_projection"))
+    cost = spec.attention.get("unet", AttentionCost())
+    for kind in (*cfg["down_block_types"], *cfg["up_block_types"], cfg.get("mid_block_type")):
+        if kind not in _UNET_BLOCKS:
+            raise PlannerError(f"the memory planner does not model UNet block type {kind!r} (SD 1.x, 2.x, SDXL only)")
+
+    g = _Grid(shape.height // spec.vae_scale, shape.width // spec.vae_scale, batch, spec.dtype_bytes)
+    hs = m.conv(g(cfg["in_channels"]), g(chans[0]), "conv_in")
+    skips = [(hs, chans[0], g)]
+    c_prev = chans[0]
+    for i, kind in enumerate(cfg["down_block_types"]):
+        site = f"down_blocks.{i}"
+        for j in range(layers[i]):
+            r = _resnet(m, g, c_prev, chans[i], f"{site}.resnets.{j}")
+            if kind.startswith("CrossAttn"):
+                a = _transformer(m, g, chans[i], heads[i], depth[i], linear, ff_chunks, cost, f"{site}.attentions.{j}")
+                m.free(r)
+                r = a
+            skips.append((r, chans[i], g))  # every output stays for the up path
+            c_prev = chans[i]
+        if i < n - 1:
+            gd = g.down()
+            hs = m.conv(g(chans[i]), gd(chans[i]), f"{site}.downsamplers.0")
+            skips.append((hs, chans[i], gd))
+            g = gd
+
+    site = "mid_block"  # its input is the last skip, which stays
+    r = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.0")
+    a = _transformer(m, g, chans[-1], heads[-1], depth[-1], linear, ff_chunks, cost, site + ".attentions.0")
+    m.free(r)
+    hs = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.1")
+    m.free(a)
+
+    c_hs = chans[-1]
+    rev = chans[::-1]
+    rev_heads, rev_layers = heads[::-1], layers[::-1]
+    for i, kind in enumerate(cfg["up_block_types"]):
+        site = f"up_blocks.{i}"
+        count = rev_layers[i] + 1
+        res, skips = skips[-count:], skips[:-count]
+        x = cur = hs  # the UNet holds the block's input until the block returns
+        for j, (_, c_skip, gs) in enumerate(reversed(res)):
+            cat = m.new(gs(c_hs + c_skip), site)
+            if j:
+                m.free(cur)
+            r = _resnet(m, gs, c_hs + c_skip, rev[i], f"{site}.resnets.{j}")
+            m.free(cat)
+            if kind.startswith("CrossAttn"):
+                attn = f"{site}.attentions.{j}"
+                a = _transformer(m, gs, rev[i], rev_heads[i], up_depth[i], linear, ff_chunks, cost, attn)
+                m.free(r)
+                r = a
+            cur, c_hs, g = r, rev[i], gs
+        if skips:  # upsampled to the size of the next skip
+            gu = skips[-1][2]
+            up = m.new(gu(c_hs), site + ".upsamplers.0")  # nearest interpolation
+            out = m.conv(up, gu(c_hs), site + ".upsamplers.0.conv")
+            m.free(up, cur)
+            cur, g = out, gu
+        m.free(x, *(b for b, _, _ in res))
+        hs = cur
+
+    norm = m.new(g(chans[0]), "conv_norm_out")
+    m.free(hs)
+    act = m.new(g(chans[0]), "conv_act")
+    m.free(norm)
+    m.conv(act, g(cfg["out_channels"]), "conv_out")
+
+
+_UNET_BLOCKS = frozenset(
+    {"CrossAttnDownBlock2D", "DownBlock2D", "CrossAttnUpBlock2D", "UpBlock2D", "UNetMidBlock2DCrossAttn"}
+)
+
+
+def _per_block(value: Any, n: int) -> list[int]:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * n
+
+
+def _vae_attention(m: _Live, g: _Grid, channels: int, cost: AttentionCost, site: str) -> float:
+    """The VAE mid-block's Attention on 4-D input: group norm, one head, a residual connection."""
+    n = m.new(g(channels), site)  # group_norm; q, k, v project its transposed (strided) view
+    qkv = 0.0
+    for _ in range(3):
+        copy = m.new(g(channels), site)  # Linear copies a strided input
+        qkv += m.new(g(channels), site)
+        m.free(copy)
+    buffer = _score_buffer(cost, g.batch, 1, g.tokens, g.tokens, channels, g.elem, upcast=True)
+    o = m.new(g(channels), site + ".attention", buffer)
+    m.free(n)
+    lin = m.new(g(channels), site)  # to_out
+    m.free(o)
+    back = m.new(g(channels), site)  # (B, N, C) -> (B, C, H, W)
+    m.free(lin)
+    res = m.new(g(channels), site)  # + residual
+    m.free(back)
+    out = m.new(g(channels), site)  # / rescale_output_factor
+    m.free(res, qkv)
+    return out
+
+
+def _vae_decoder(m: _Live, spec: ModelSpec, lat_h: int, lat_w: int, batch: int, elem: int) -> float:
+    """diffusers' AutoencoderKL._decode (post-quant conv and Decoder.forward); returns the image's bytes."""
+    cfg = spec.vae
+    cost = spec.attention.get("vae", AttentionCost())
+    g = _Grid(lat_h, lat_w, batch, elem)
+    latent = cfg["latent_channels"]
+    post = m.conv(g(latent), g(latent), "post_quant_conv") if cfg.get("use_post_quant_conv", True) else 0
+    rev = list(cfg["block_out_channels"])[::-1]
+    hs = m.conv(g(latent), g(rev[0]), "decoder.conv_in")
+    site = "decoder.mid_block"
+    r = _resnet(m, g, rev[0], rev[0], site + ".resnets.0", temb=False)
+    a = _vae_attention(m, g, rev[0], cost, site + ".attentions.0")
+    m.free(r)
+    r = _resnet(m, g, rev[0], rev[0], site + ".resnets.1", temb=False)
+    m.free(a, hs)
+    hs, c_prev = r, rev[0]
+    for i, c_out in enumerate(rev):
+        site = f"decoder.up_blocks.{i}"
+        cur = hs  # the decoder holds the block's input until it returns
+        for j in range(cfg["layers_per_block"] + 1):
+            r = _resnet(m, g, c_prev if j == 0 else c_out, c_out, f"{site}.resnets.{j}", temb=False)
+            if j:
+                m.free(cur)
+            cur = r
+        if i < len(rev) - 1:
+            gu = g.up()
+            up = m.new(gu(c_out), site + ".upsamplers.0")
+            out = m.conv(up, gu(c_out), site + ".upsamplers.0.conv")
+            m.free(up, cur)
+            cur, g = out, gu
+        m.free(hs)
+        hs, c_prev = cur, c_out
+    norm = m.new(g(rev[-1]), "decoder.conv_norm_out")
+    m.free(hs)
+    act = m.new(g(rev[-1]), "decoder.conv_act")
+    m.free(norm)
+    image = m.conv(act, g(cfg["out_channels"]), "decoder.conv_out")
+    m.free(act, post)
+    return image
+
+
+def _text_activations(spec: ModelSpec) -> float:
+    """A text encoder call (one prompt, 77 tokens): every layer's hidden states (SDXL keeps them
+    all), one layer's MLP and attention temporaries. A few MiB: the phase is its weights."""
+    worst = 0.0
+    for cfg in spec.text_encoders:
+        hidden, inner, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+        per_token = hidden * (cfg["num_hidden_layers"] + 6) + 2 * inner + 2 * heads * TEXT_TOKENS
+        worst = max(worst, TEXT_TOKENS * per_token * spec.dtype_bytes)
+    return worst
+
+
+def _tiles(size: int, tile: int) -> list[int]:
+    """Tile extents along one side of ``size`` latents, as diffusers' tiled_decode cuts them (25 % overlap)."""
+    stride = int(tile * 0.75)
+    return [min(tile, size - start) for start in range(0, size, stride)]
+
+
+def unet_peak(
+    spec: ModelSpec, shape: RunShape, *, batch: int, ff_chunks: int = 1, cuda: bool = False
+) -> tuple[int, str]:
+    """Peak bytes of one UNet call on ``batch`` samples over its weights and inputs, and where it
+    is; ``cuda`` adds cuDNN's convolution workspace."""
+    m = _Live(CONV_WORKSPACE if cuda else 0.0)
+    _unet(m, spec, shape, batch, ff_chunks)
+    return int(m.peak), f"unet.{m.site}"
+
+
+def decode_peak(spec: ModelSpec, shape: RunShape, *, tile: int | None = None, cuda: bool = False) -> tuple[int, str]:
+    """Peak bytes of the VAE decode (diffusers' AutoencoderKL.decode, whole or in ``tile`` pixel
+    tiles; in fp32 where the pipeline upcasts the VAE) over its weights and input, and where."""
+    workspace = CONV_WORKSPACE if cuda else 0.0
+    elem = 4 if spec.vae_upcast else spec.dtype_bytes
+    lat_h, lat_w = shape.height // spec.vae_scale, shape.width // spec.vae_scale
+    tile_lat = tile // spec.vae_scale if tile else None
+    if tile_lat is None or (lat_h <= tile_lat and lat_w <= tile_lat):
+        m = _Live(workspace)
+        _vae_decoder(m, spec, lat_h, lat_w, shape.batch, elem)
+        return int(m.peak), f"vae.{m.site}"
+    # Every decoded tile is kept until all are blended, then joined row by row.
+    out_px = shape.batch * spec.vae["out_channels"] * spec.vae_scale**2 * elem
+    peak, site, kept = 0.0, "", 0.0
+    by_size: dict[tuple[int, int], tuple[float, str]] = {}
+    for th in _tiles(lat_h, tile_lat):
+        for tw in _tiles(lat_w, tile_lat):
+            if (th, tw) not in by_size:
+                m = _Live(workspace)
+                _vae_decoder(m, spec, th, tw, shape.batch, elem)
+                by_size[th, tw] = m.peak, m.site
+            tile_peak, tile_site = by_size[th, tw]
+            if kept + tile_peak > peak:
+                peak, site = kept + tile_peak, f"vae, tile {th * spec.vae_scale}x{tw * spec.vae_scale}: {tile_site}"
+            kept += th * tw * out_px
+    image = lat_h * lat_w * out_px
+    if kept + 2 * image > peak:
+        peak, site = kept + 2 * image, "vae.tiled_decode: blending the tiles"
+    return int(peak), site
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """The run device as the estimate sees it.
+
+    ``cuda``: budgets and peaks are CUDA reserved memory (else the process's resident host
+    memory). ``other``: bytes in use now besides the pipeline's weights on the device (CUDA
+    allocations of other objects; on the host, the interpreter and libraries). ``cached``:
+    CUDA memory reserved but not allocated now. ``expandable_segments``: already on.
+    ``host_available``: host memory the plan may keep weights in (available memory plus the
+    weights already there), None: not checked. ``cuda_graph_pool``: bytes a captured denoising
+    step's private memory pool holds beside the estimate's denoising phase (about one UNet call's
+    activations; whoever captures the graph sets it, :func:`unet_peak` sizes such a call).
+    """
+
+    cuda: bool = False
+    other: int = 0
+    cached: int = 0
+    expandable_segments: bool = False
+    host_available: int | None = None
+    cuda_graph_pool: int = 0
+
+
+@dataclass(frozen=True)
+class PhaseEstimate:
+    """Estimated peak of one phase: allocated and reserved bytes (equal off CUDA), the part that
+    is activations (beyond weights and ``other``), and where the activation peak is."""
+
+    name: str
+    allocated: int
+    reserved: int
+    activations: int
+    site: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "allocated_bytes": self.allocated,
+            "reserved_bytes": self.reserved,
+            "activations_bytes": self.activations,
+            "site": self.site,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    phases: tuple[PhaseEstimate, ...]
+
+    def phase(self, name: str) -> PhaseEstimate:
+        return next(p for p in self.phases if p.name == name)
+
+    @property
+    def top(self) -> PhaseEstimate:
+        """The phase with the highest peak (what the budget is compared with)."""
+        return max(self.phases, key=lambda p: p.reserved)
+
+    @property
+    def peak(self) -> int:
+        return self.top.reserved
+
+
+def _attention_costs(spec: ModelSpec, levers: Levers) -> dict[str, AttentionCost]:
+    """Each component's attention cost once the attention lever is applied."""
+    costs = {}
+    for name, cost in spec.attention.items():
+        if levers.flash_attention and cost.kind == "materialized":
+            cost = spec.auto_attention.get(name, AttentionCost())
+        if levers.chunk_budget is not None and cost.kind == "chunked":
+            cost = replace(cost, budget=min(cost.budget, levers.chunk_budget))
+        costs[name] = cost
+    return costs
+
+
+def estimate(
+    spec: ModelSpec, shape: RunShape, levers: Levers = Levers(), device: DeviceState = DeviceState()
+) -> Estimate:
+    """Peak memory of each phase of one pipeline call of ``shape`` with ``levers`` in place."""
+    spec = replace(spec, attention=_attention_costs(spec, levers))
+    expandable = levers.expandable_segments or device.expandable_segments
+    reserve = RESERVE_OVER_ACTIVATIONS[expandable]
+    micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
+    unet, unet_site = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=device.cuda)
+    decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, cuda=device.cuda)
+    # The convolutions' workspace outside the tensors (oneDNN's reorders) on the host.
+    workspace = {"text_encoding": 0, "denoising": 0, "vae_decode": 0}
+    if not device.cuda:
+        workspace["denoising"] = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=True)[0] - unet
+        workspace["vae_decode"] = decode_peak(spec, shape, tile=levers.vae_tile, cuda=True)[0] - decode
+    # Latents, guidance and the scheduler's fp32 step: a few latent-sized tensors per UNet sample.
+    pixels = (shape.height // spec.vae_scale) * (shape.width // spec.vae_scale)
+    latent = shape.unet_batch * spec.unet["in_channels"] * pixels * 4
+    embeds = shape.unet_batch * TEXT_TOKENS * spec.unet["cross_attention_dim"] * spec.dtype_bytes
+    # SDXL decodes in fp32: its VAE's weights are converted in place, twice their fp16 bytes.
+    upcast = spec.weights.get("vae", 0) if spec.vae_upcast else 0
+    activations = {
+        "text_encoding": (_text_activations(spec), "text encoder"),
+        "denoising": (unet + device.cuda_graph_pool + 8 * latent + embeds, unet_site),
+        "vae_decode": (decode + upcast + latent, decode_site),
+    }
+    phases = []
+    for name in PHASES:
+        act, site = activations[name]
+        weights, streamed = _weights(spec, levers, name)
+        allocated = device.other + weights + act
+        if device.cuda:  # streamed weights pass through the allocator as activations do, and reserve like them
+            reserved = allocated + device.cached + (reserve - 1) * (act + streamed)
+        else:
+            convs = max((spec.footprints.get(c, {}).get("largest_conv", 0) for c in _PHASE_COMPONENTS[name]), default=0)
+            ws = workspace[name]
+            reserved = allocated + (HOST_RESERVE_OVER_ACTIVATIONS - 1) * act + HOST_RESERVE_OVER_ACTIVATIONS * ws
+            reserved += convs + HOST_FIRST_RUN
+        phases.append(PhaseEstimate(name, int(allocated), int(reserved), int(act), site))
+    return Estimate(tuple(phases))
+
+
+_PHASE_COMPONENTS = {
+    "text_encoding": ("text_encoder", "text_encoder_2"),
+    "denoising": ("unet",),
+    "vae_decode": ("vae",),
+}
+
+_TEXT_ENCODERS = _PHASE_COMPONENTS["text_encoding"]
+
+
+def _footprint(spec: ModelSpec, levers: Levers, name: str, running: bool) -> tuple[int, int]:
+    """Bytes of component ``name``'s weights on the device, idle or running, and the part of them
+    that is streamed in and out during its call (allocated and freed layer by layer, like
+    activations)."""
+    weights = spec.weights.get(name, 0)
+    own = spec.footprints.get(name, {})
+    if name == "unet" and levers.fp8_storage:
+        weights = own.get("fp8", weights)
+    if levers.sequential_offload:
+        return (own.get("sequential", weights), own.get("sequential", weights)) if running else (0, 0)
+    if name == "unet" and levers.group_offload:
+        size = own.get(levers.group_offload, weights)
+        size = int(size * weights / spec.weights.get(name, weights))  # fp8 storage streams fp8 weights
+        return (size, size) if running else (0, 0)
+    if levers.cpu_offload or (name in _TEXT_ENCODERS and levers.text_encoder_offload):
+        return (weights, 0) if running else (0, 0)
+    if name not in spec.resident:
+        return 0, 0
+    # fp8 storage: a layer's weights are cast back to the compute dtype while it runs.
+    cast = own.get("fp8_cast", 0) if name == "unet" and levers.fp8_storage and running else 0
+    return weights + cast, cast
+
+
+def _weights(spec: ModelSpec, levers: Levers, phase: str) -> tuple[int, int]:
+    """Weights on the device at ``phase``'s peak, and the streamed part of them: every idle
+    component's, plus the costliest running one over its idle bytes (SDXL's two text encoders take
+    turns under offload; resident, both stay)."""
+    idle = {name: _footprint(spec, levers, name, False)[0] for name in spec.weights}
+    extra, streamed = 0, 0
+    for name in _PHASE_COMPONENTS[phase]:
+        if name in spec.weights:
+            run, stream = _footprint(spec, levers, name, True)
+            if run - idle[name] > extra:
+                extra, streamed = run - idle[name], stream
+    return sum(idle.values()) + extra, streamed
+
+
+def host_weights(spec: ModelSpec, levers: Levers) -> int:
+    """Bytes of weights the plan keeps in host memory: every component off the device between
+    its calls (group offload's copies are pinned, page-locked), and with fp8 storage the UNet's
+    original weights, kept so that :func:`remove_plan` puts them back exactly."""
+    total = 0
+    for name, nbytes in spec.weights.items():
+        idle, _ = _footprint(spec, levers, name, False)
+        if idle == 0:
+            total += spec.footprints.get(name, {}).get("fp8", nbytes) if name == "unet" and levers.fp8_storage else nbytes
+    if levers.fp8_storage:
+        total += spec.weights.get("unet", 0)
+    return total
+
+
+def slowdown(spec: ModelSpec, levers: Levers) -> tuple[float, float]:
+    """The plan's expected cost: a factor on each denoising step (:data:`STEP_SLOWDOWN`) and the
+    seconds per image of copying whole models to the device (text encoder and model offload)."""
+    factor = 1.0
+    if levers.sequential_offload:
+        factor *= STEP_SLOWDOWN["sequential_offload"]
+    elif levers.group_offload:
+        factor *= STEP_SLOWDOWN[f"group_offload:{levers.group_offload}"]
+    if levers.fp8_storage and not levers.sequential_offload:
+        factor *= STEP_SLOWDOWN["fp8_storage"]
+    copied = 0
+    if levers.cpu_offload and not levers.sequential_offload:
+        copied = sum(spec.weights.values()) - (spec.weights.get("unet", 0) if levers.group_offload else 0)
+    elif levers.text_encoder_offload and not levers.sequential_offload:
+        copied = sum(spec.weights.get(name, 0) for name in _TEXT_ENCODERS)
+    return factor, copied / HOST_TO_DEVICE_BYTES_PER_S
+
+
+# What a plan from configs assumes where it cannot look at the GPU (printed with it).
+GPU_ASSUMPTIONS = (
+    "every attention layer runs sdpatch auto as on CUDA: flash-style, no score buffer",
+    "the CUDA context (about 0.5 GiB, driver- and GPU-dependent) is outside the budget, which is PyTorch's reserved memory",
+    f"allocator: expandable segments, reserved = allocated + {RESERVE_OVER_ACTIVATIONS[True] - 1:.2f}x the activations "
+    "(fitted on an H200)",
+    f"cuDNN convolution workspace {CONV_WORKSPACE:g}x a convolution's input plus output (fitted on an H200)",
+)
