@@ -40,9 +40,12 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from . import undo as changes
+
 logger = logging.getLogger(__name__)
 
 _RUNNER = "_sdpatch_graphs"  # attribute on a captured module: its GraphRunner
+GRAPHS = "cuda_graphs"  # what capture's changes are recorded under (sdpatch.undo)
 MAX_GRAPHS = 8  # signatures a module captures; past that, new ones run eagerly
 # Eager calls of a new signature before its capture: the Triton forward autotunes on a layout's first
 # call and launches through the JIT on its second; from the third on every launch is a compiled
@@ -255,12 +258,15 @@ def capture(module: torch.nn.Module, **options) -> GraphRunner:
     """Replay ``module``'s forward from CUDA graphs from now on (see the module docs); idempotent.
 
     ``options`` go to :class:`GraphRunner` (``warmup``, ``max_graphs``). Returns the runner, whose
-    ``stats`` say what it did. :func:`release` undoes it.
+    ``stats`` say what it did. The change is recorded through :mod:`sdpatch.undo`, and
+    :func:`release` takes it back.
     """
     runner = getattr(module, _RUNNER, None)
     if runner is not None:
         return runner
     runner = GraphRunner(module, module.forward, **options)
+    changes.record(module, GRAPHS, runner.reset)
+    changes.record(module, GRAPHS, changes.attributes([(module, "forward"), (module, _RUNNER)]))
     setattr(module, _RUNNER, runner)
     module.forward = runner  # an instance attribute: nn.Module.__call__ finds it before the class's
     return runner
@@ -280,12 +286,7 @@ def reset(module: torch.nn.Module) -> None:
 
 def release(module: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`capture`: the module's own forward again, its graphs freed. Returns ``module``."""
-    runner = getattr(module, _RUNNER, None)
-    if runner is not None:
-        runner.reset()
-        if module.__dict__.get("forward") is runner:
-            del module.forward
-        delattr(module, _RUNNER)
+    changes.undo(module, GRAPHS)
     return module
 
 

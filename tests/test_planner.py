@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from typer.testing import CliRunner
 
 import sdpatch.planner as planner
+from sdpatch import undo as changes
 from sdpatch.cli import app
 from sdpatch.compare import image_difference
 from sdpatch.generate import GenerationRequest, RunOptions, apply_backend, run
@@ -374,7 +375,7 @@ def test_an_impossible_budget_fails_cleanly_with_the_estimate(tiny):
     processors = dict(tiny.unet.attn_processors)
     with pytest.raises(PlannerError, match="cannot be met"):
         planner.fit(tiny, 0.001, height=64, width=64)
-    assert dict(tiny.unet.attn_processors) == processors and not hasattr(tiny, lever_code._APPLIED)
+    assert dict(tiny.unet.attn_processors) == processors and not changes.applied(tiny, lever_code.PLAN)
 
 
 def test_best_effort_applies_the_best_plan(tiny):

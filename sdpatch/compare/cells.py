@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from sdpatch import undo as changes
 from sdpatch.attention import backend_status
 from sdpatch.compare.figures import finish
 from sdpatch.compare.report import GIB, PLANNED, Cell, CompareReport, MaxSize, json_psnr, write_reports
@@ -103,9 +104,13 @@ def plan_out_dir(out: Path, *, overwrite: bool) -> tuple[Path, str | None]:
 class BackendSwitcher:
     """Switches a loaded pipeline between compare backends, always from its own stock processors.
 
-    The processor objects the pipeline had when the switcher was made are kept and put back, by
-    identity, before each switch and by :meth:`restore`.
+    Each switch is recorded on the pipeline through sdpatch's one undo mechanism
+    (:mod:`sdpatch.undo`, as :data:`SWITCH`) and taken back before the next and by :meth:`restore`,
+    which also puts back, by identity, the processor objects the pipeline had when the switcher
+    was made.
     """
+
+    SWITCH = "compare_backend"
 
     def __init__(self, pipe: Any) -> None:
         from diffusers.models.attention_processor import Attention
@@ -116,7 +121,9 @@ class BackendSwitcher:
         self.stock = {m: m.processor for c in modules for m in c.modules() if isinstance(m, Attention)}
 
     def set(self, backend: str) -> None:
-        """Put ``backend`` in place (see :data:`~sdpatch.compare.report.BACKEND_DESCRIPTIONS`)."""
+        """Put ``backend`` in place (see :data:`BACKEND_DESCRIPTIONS`)."""
+        from sdpatch.patch import unpatch_unet
+
         self.restore()
         pipe = self.pipe
         if backend == "naive":
@@ -125,22 +132,20 @@ class BackendSwitcher:
             pipe.unet.set_attn_processor(AttnProcessor())
         elif backend == "sliced":
             self._slice()
+            changes.record(pipe, self.SWITCH, pipe.disable_attention_slicing)
         elif backend == "xformers":
             pipe.enable_xformers_memory_efficient_attention()
+            changes.record(pipe, self.SWITCH, pipe.disable_xformers_memory_efficient_attention)
         elif backend != "stock":
             apply_backend(pipe, "auto" if backend == PLANNED else backend)
+            changes.record(pipe, self.SWITCH, lambda: unpatch_unet(pipe))
         self.current = backend
 
     def restore(self) -> None:
-        """Put the stock processors back (the very objects the pipeline had)."""
-        from sdpatch.patch import unpatch_unet
-
+        """Take the last switch (and any plan) back, then put the stock processors back (the very
+        objects the pipeline had)."""
         remove_plan(self.pipe)
-        if self.current == "sliced":
-            self.pipe.disable_attention_slicing()
-        elif self.current == "xformers":
-            self.pipe.disable_xformers_memory_efficient_attention()
-        unpatch_unet(self.pipe)
+        changes.undo(self.pipe, self.SWITCH)
         for attn, processor in self.stock.items():
             if attn.processor is not processor:
                 attn.set_processor(processor)

@@ -1,8 +1,8 @@
 """The levers: their settings (:class:`Levers`), their order, and putting them in place on a
 pipeline and taking them out again (:func:`apply_plan`, :func:`remove_plan`).
 
-Every lever's undo goes on one list kept on the pipeline (:data:`_APPLIED`); :func:`remove_plan`
-runs it, last lever first. The allocator's expandable segments are process-wide: whether this
+Every lever's undo is recorded on the pipeline through sdpatch's one undo mechanism
+(:mod:`sdpatch.undo`, as :data:`PLAN`); :func:`remove_plan` runs it, last lever first. The allocator's expandable segments are process-wide: whether this
 process turned them on is kept here, and only here.
 """
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sdpatch import undo as changes
 from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def _cut(value: Any, n: int, start: int, size: int) -> Any:
     return value
 
 
-_APPLIED = "_sdpatch_plan_undo"  # on the pipeline: how to take the applied plan out again
+PLAN = "plan"  # what the planner's changes are recorded under (sdpatch.undo)
 
 
 def _set_expandable_segments(on: bool) -> bool:
@@ -235,7 +236,7 @@ def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None
     levers = plan if isinstance(plan, Levers) else plan.levers
     moving = device is not None  # the caller names the run device: every model goes there
     device = torch.device(device) if device is not None else pipe._execution_device
-    undo: list[Callable[[], None]] = []
+    undo: list[Callable[[], None]] = []  # each lever's undo, in the order applied
     notes: list[str] = []
     if levers.expandable_segments and device.type == "cuda" and not expandable_segments_on():
         if _set_expandable_segments(True):
@@ -251,24 +252,25 @@ def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None
     elif levers.chunk_budget is not None:
         procs = [p for c in (pipe.unet, pipe.vae) for p in c.attn_processors.values()]
         procs = [p for p in procs if isinstance(p, SdpatchAttnProcessor)]
-        undo.append(_restorer([(p, "chunk_budget") for p in procs]))
+        undo.append(changes.attributes([(p, "chunk_budget") for p in procs]))
         for p in procs:
             p.chunk_budget = min(p.chunk_budget or DEFAULT_CHUNK_BUDGET, levers.chunk_budget)
     if levers.ff_chunks > 1:
         ffs = [m for m in pipe.unet.modules() if isinstance(m, FeedForward)]
-        undo.append(_restorer([(ff, "forward") for ff in ffs]))
+        undo.append(changes.attributes([(ff, "forward") for ff in ffs]))
         for ff in ffs:
             ff.forward = _ChunkedFeedForward(ff.forward, levers.ff_chunks)
     if levers.unet_micro_batch is not None:
-        undo.append(_restorer([(pipe.unet, "forward")]))
+        undo.append(changes.attributes([(pipe.unet, "forward")]))
         pipe.unet.forward = _MicroBatchedUNet(pipe.unet.forward, levers.unet_micro_batch)
     if levers.vae_tile is not None:
         vae = pipe.vae
-        undo.append(_restorer([(vae, "use_tiling"), (vae, "tile_sample_min_size"), (vae, "tile_latent_min_size")]))
+        undo.append(changes.attributes([(vae, "use_tiling"), (vae, "tile_sample_min_size"), (vae, "tile_latent_min_size")]))
         vae.enable_tiling()
         vae.tile_sample_min_size, vae.tile_latent_min_size = levers.vae_tile, levers.vae_tile // pipe.vae_scale_factor
     _place_weights(pipe, levers, device, undo, moving)
-    setattr(pipe, _APPLIED, undo)
+    for step in undo:
+        changes.record(pipe, PLAN, step)
     return notes
 
 
@@ -295,7 +297,7 @@ def _place_weights(
     hooked = [m for c in modules.values() for m in c.modules()]
     attributes = [(m, a) for m in hooked for a in ("forward", "_diffusers_hook", "_hf_hook", "_old_forward")]
     attributes += [(pipe, a) for a in ("_all_hooks", "_offload_device", "_offload_gpu_id")]
-    restore_attributes = _restorer(attributes)
+    restore_attributes = changes.attributes(attributes)
     places = {name: next((p.device for p in c.parameters()), device) for name, c in modules.items()}
 
     def back_in_place() -> None:
@@ -365,30 +367,9 @@ def _place_weights(
         modules[name].to(device)
 
 
-def _restorer(attributes: list[tuple[Any, str]]) -> Callable[[], None]:
-    """A function that puts each (object, attribute) back as it is now: its value, or, for an
-    attribute only the class defines (a module's ``forward``), no instance attribute at all."""
-    saved = [(obj, name, obj.__dict__.get(name, _CLASS)) for obj, name in attributes]
-
-    def restore() -> None:
-        for obj, name, value in saved:
-            if value is _CLASS:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, value)
-
-    return restore
-
-
-_CLASS = object()  # marks an attribute that came from the class
-
-
 def remove_plan(pipe: Any) -> Any:
     """Take out what :func:`apply_plan` put in place, last lever first; returns ``pipe``."""
-    for step in reversed(getattr(pipe, _APPLIED, [])):
-        step()
-    if hasattr(pipe, _APPLIED):
-        delattr(pipe, _APPLIED)
+    changes.undo(pipe, PLAN)
     return pipe
 
 
