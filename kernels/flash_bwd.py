@@ -8,8 +8,8 @@ Only O and the base-2 log-sum-exp from the forward pass are kept. Two launches (
    With few keys (77 text tokens) several programs share a key block's query blocks and write fp32
    partial sums, which ``_bwd_sum_splits`` adds.
 
-Each launch costs the host as much as a whole kernel at 77 keys: v2's separate delta kernel and
-four PyTorch ops adding the partial sums made 7 launches there, now 3.
+Each launch costs the host as much as a whole kernel at 77 keys: a separate delta kernel and four
+PyTorch ops adding the partial sums made 7 launches there; now there are 3.
 
 Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
 deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
@@ -531,7 +531,7 @@ def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torc
     partial sum per split, (splits, B, H, Nk, D) each, which :func:`_sum_splits` adds."""
     if splits == 1:
         return dk, dv
-    # unbind(), not iteration: unpacking the tensor took 20 us of the lent host's time under cProfile (v8)
+    # unbind(), not iteration: unpacking the tensor took 20 us of the lent host's time under cProfile
     return torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32).unbind()
 
 
@@ -542,8 +542,8 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
 
     New dK and dV buffers are allocated after the dQ kernel's launch, so that the host's work
     overlaps that kernel instead of delaying it. Every gradient buffer is alive during the dK/dV
-    kernel either way: the training step's peaks were v8's to the MiB (v9). Per call, v9 could not
-    tell the gain from the lent hosts' drift.
+    kernel either way: the training step's peaks stayed the same to the MiB. Per call, the gain was
+    within the lent hosts' drift.
     """
     (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
     dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)

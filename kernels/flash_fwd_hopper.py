@@ -3,28 +3,28 @@ V through TMA into a ring of shared-memory stages, and two or three consumer war
 own query tile, take turns issuing their MMAs, so that one's softmax runs while the tensor cores
 work on another's (ping-pong).
 
-Triton keeps a program's dots and softmax in program order (docs/benchmarks.md, v5-v9). Gluon exposes
+Triton keeps a program's dots and softmax in program order (measured on its kernels). Gluon exposes
 what the compiler hides: asynchronous warpgroup MMAs with explicit waits, TMA copies and mbarriers,
 and warp specialization with per-partition register budgets (``setmaxnreg``). Each consumer, per key
 tile j: in its turn, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} and pass the turn on; wait for S_j
 and release K_j's stage; compute P_j; wait for P V and release V_{j-1}'s stage; rescale O. In fp16
 the row sums come from the tensor cores too, P times a block of ones beside P V, rescaled as O is:
 an add an element less. (ptxas waits for P V before P_j's exponentials whatever the program order:
-it hands P_j the registers that P_{j-1}'s MMA reads, v14. The turns overlap one warpgroup's softmax
+it hands P_j the registers that P_{j-1}'s MMA reads. The turns overlap one warpgroup's softmax
 with another's MMAs all the same.)
 
 Q, K, V and O go through 4-D TMA descriptors over their (B, H, N, D) views, so any layout whose last
 dim is contiguous works (diffusers' (B, N, H, D) memory included). Boxes past N or D read zeros and
 write nothing: odd lengths need no masks but on the scores past N (every tile's, where the tile does
-not divide the keys; v13). A head dim that is not a power of two runs as two power-of-two parts, each
+not divide the keys). A head dim that is not a power of two runs as two power-of-two parts, each
 with its own descriptors and MMAs (40 = 32 + 16: 48 columns of work where padding would do 64;
 :func:`sdpatch.kernels.shared.split_parts`).
 
 A program holds an SM, so the grid runs in waves of query tiles; where the last wave would leave most
 SMs idle, its tiles are split along the keys into pieces that fill it, and a small Triton kernel
-merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`; v15). Where
+merges the pieces by their log-sum-exps (:func:`tail_split`, :func:`_combine_pieces`). Where
 the last wave is too full to split, some heads may take tiles of a consumer fewer, so that the SMs
-finish together (:func:`tile_plan`; v16). A consumer with no rows in its program's tile only hands
+finish together (:func:`tile_plan`). A consumer with no rows in its program's tile only hands
 the K and V stages back.
 
 sm_90 only, no attention mask, fp16 and bf16; :func:`hopper_fwd_ok` says when, :func:`serves` when
@@ -62,15 +62,15 @@ except ImportError:  # older triton: the Triton kernel serves every call
 
 log = logging.getLogger(__name__)
 
-# Where this kernel serves flash_attn_fwd's default calls (docs/benchmarks.md, v14): self-attention of
-# MIN_KEYS keys and more (at 77 keys the Triton kernel won: 45 against 49 TFLOP/s at hd40, v13), on
+# Where this kernel serves the launch layer's default calls (H200 measurements): self-attention of
+# MIN_KEYS keys and more (at 77 keys the Triton kernel won: 45 against 49 TFLOP/s at hd40), on
 # grids of MIN_PROGRAMS programs and more: a program takes 2-3 query tiles, and a grid under one
 # wave of the H200's 132 SMs leaves SMs idle where the Triton kernel's smaller tiles fill them.
 MIN_KEYS = 256
 MIN_PROGRAMS = 128
 MIN_PIECE_TILES = 4  # key tiles a piece of a split query tile takes at least (tail_split)
 # A consumer's MMAs and its softmax run in series, so a program's time is that of max(its
-# consumers with rows, SERIAL_CONSUMERS) consumers' MMAs (tile_plan). Measured at hd64 (v16): 768
+# consumers with rows, SERIAL_CONSUMERS) consumers' MMAs (tile_plan). Measured at hd64 on an H200: 768
 # tokens, B 2, H 20, took 21.2 us in 240 tiles of 128 rows and 24.5 in 160 of 192, both two waves:
 # a tile of two consumers takes 0.865 of one of three's time, 2.6 consumers' MMAs.
 SERIAL_CONSUMERS = 2.6
@@ -83,7 +83,7 @@ _failed: list[str] = []  # a launch that raised: the Triton kernel serves every 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS): a consumer warpgroup's query rows, the key tile, the K
-    and V ring's stages, and consumer warpgroups a program, from v14's probes on an H200 (CUDA-graph
+    and V ring's stages, and consumer warpgroups a program, from probes on an H200 (CUDA-graph
     replay, TFLOP/s). Head dims under 64: two consumers of 128 rows and 64-key tiles (hd40 4096:
     280; 128-key tiles spill). Head dim 64: three of 64 rows, as FlashAttention-3 (hd64 1024: 355 against 300 for two;
     4096: 427 against 424). Above: two of 64 rows and 128-key tiles (hd80 4096: 453 against 263
@@ -109,7 +109,7 @@ def tail_split(tiles: int, sms: int, key_tiles: int) -> tuple[int, int]:
 
     A program holds an SM (its warpgroups take the register file), so the grid runs in waves of
     ``sms`` tiles, and a last wave of a few tiles leaves the other SMs idle for a whole tile's time:
-    hd64 at 4096 tokens (B 2, H 10) is 440 tiles of 192 rows, three waves and 44 (v15). Split in
+    hd64 at 4096 tokens (B 2, H 10) is 440 tiles of 192 rows, three waves and 44. Split in
     three, those 44 tiles are 132 programs of a third of a tile's time. Nothing is split under one
     wave, where the last wave is over half full, or into pieces of under :data:`MIN_PIECE_TILES`."""
     if sms <= 0 or tiles < sms or tiles % sms == 0:
@@ -160,7 +160,7 @@ def tile_plan(heads: int, n_q: int, sms: int, block_m: int, consumers: int) -> t
     for a tile's time at its end: hd64 at 1024 tokens (B 2, H 20) is 240 tiles of 192 rows, 1.82
     waves. As 7 heads of eight 128-row tiles and 33 of four 192-row and two 128-row ones, it is
     132 tiles of 192 rows and 122 of 128, one of each an SM: 1.87 tiles' time, not 2; measured,
-    28.7 us against 30.6 (v16). Searched over one or two kinds of head, by :func:`plan_time`;
+    28.7 us against 30.6. Searched over one or two kinds of head, by :func:`plan_time`;
     whole tiles, (heads, tiles a head, 0, 0, 0), unless a plan is :data:`MIXED_MIN_GAIN` faster."""
     tile = consumers * block_m
     m_tiles = -(-n_q // tile)
@@ -322,7 +322,7 @@ if gluon is not None:
         (CONSUMERS x BLOCK_M rows), HEADS1 heads' BIG1 each and the other heads' BIG2, then the
         small ones (a consumer fewer), SMALL1 and SMALL2 a head, after each head's big ones. Only
         MIXED plans have small tiles, and consumers with no rows: whole ones (BIG1 a head) give
-        every consumer rows, as v15's kernel did, TMA reading zeros past N."""
+        every consumer rows, TMA reading zeros past N."""
         N_Q, N_K, N_FULL, SPLITS, HEADS, HEADS1, BIG1, SMALL1, BIG2, SMALL2 = work
         pid = gl.program_id(0)
         tile = pid
@@ -469,7 +469,7 @@ if gluon is not None:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         # fp16: the row sums from the tensor cores, of P as P V takes it (rounded to fp16: 2^-11).
         # bf16 rounds to 2^-8, and such sums moved the log-sum-exp 1.4e-3 from the Triton kernel's
-        # (v14), so bf16 adds the fp32 P.
+        # (measured on an H200), so bf16 adds the fp32 P.
         ROWSUM_MMA: gl.constexpr = dtype == gl.float16
         PV_GROUPS: gl.constexpr = 1 + SPLIT + ROWSUM_MMA  # MMA groups behind S_j: P V's parts, the row sums
 
@@ -517,7 +517,7 @@ if gluon is not None:
             mbarrier.arrive(next_turn)
             scores = warpgroup_mma_wait(PV_GROUPS, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(st))
-            # No branch in the loop (a branch had ptxas wait for P V before the softmax; v13): key
+            # No branch in the loop (a branch had ptxas wait for P V before the softmax): key
             # lengths that tiles do not divide mask every tile.
             if not EVEN_N:
                 scores = _scores_tail(scores, (j0 + j) * BLOCK_N, N_K, BLOCK_N, s_layout)

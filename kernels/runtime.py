@@ -43,8 +43,8 @@ def vector_align(*tensors: torch.Tensor) -> int:
     """The alignment the kernels' row offsets are hinted with, in elements (1: none known).
 
     Where every stride is a multiple of 16, as at head dims 64 and 128, 16: what Triton infers
-    itself from its integer specialization, so that the hint claims no less (v1 hinted 8 there,
-    and its backward at head dim 64 measured 208 TFLOP/s against v0's 290 without hints).
+    itself from its integer specialization, so that the hint claims no less (a hint of 8 there
+    made the backward at head dim 64 run at 208 TFLOP/s against 290 without hints, H200).
     Otherwise, when every row of every tensor still starts 16-byte aligned (head dims 40 and 80),
     one 16-byte vector; else 1.
     """
@@ -99,7 +99,7 @@ class Binary:
 
     Triton's runner (``CompiledKernel[grid]``) looks up the current device and stream, builds
     launch metadata and has the launcher call two (empty) hook chains back in Python, every launch:
-    3-5 us of a 9-19 us launch on the lent H200 hosts (docs/benchmarks.md, v7). The kernel was
+    3-5 us of a 9-19 us launch on the lent H200 hosts. The kernel was
     loaded on the device current at its first launch, and :func:`on_device` makes that device
     current for every later launch of its plan, so only the stream is looked up per call.
     """

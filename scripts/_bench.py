@@ -172,7 +172,7 @@ def peaks_over(fn) -> tuple[object, dict[str, int]]:
     tensors' own sizes; ``reserved``, the segments the allocator took from the driver, which is what
     must fit on the card. A block rounds its tensor up to 512 bytes, and a large one keeps a remainder
     under 1 MiB unsplit, so the allocated peak also moves with which cached blocks earlier
-    allocations left; the allocation recorder's trace counts requested sizes (v9)."""
+    allocations left; the allocation recorder's trace counts requested sizes."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_stats()
@@ -213,7 +213,7 @@ def use_variant(unet, variant: str) -> None:
 def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> dict[str, list[float]]:
     """ms per call of ``fn`` under each variant, one figure per round. The variants take turns, each
     round in the reverse order of the one before (ABBA), so that a drift in host load (another job
-    on the machine) reaches each alike and neither always runs first: v2's runs, timed one variant
+    on the machine) reaches each alike and neither always runs first: earlier runs, timed one variant
     after the other, disagreed by up to 30 % on host-bound calls. After each switch one untimed call
     settles the allocator's cache; then ``block`` calls run back to back, as in a real loop, and are
     timed together."""

@@ -38,7 +38,7 @@ from _bench import Case, environment
 
 CASES = [Case("self 256", 2, 8, 256, 256, 40), Case("cross 256x77", 2, 8, 256, 77, 40)]
 ITERS = 200
-# The backward cases whose per-call figures the host decides (docs/benchmarks.md, v8 and v9).
+# The backward cases whose per-call figures the host decides (measured on the lent H200 hosts).
 ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
 
 

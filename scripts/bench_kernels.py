@@ -130,7 +130,7 @@ def measure_paired(row: Row, fns: dict, rounds: int) -> None:
     """sdpatch's per-call speed over cuDNN and flash, timed in turns: each round one short
     ``do_bench`` median per impl, the order reversed every round (ABBA). Per call, a call whose
     host work outlasts its kernels is timed by the host (``bench_host.py``'s anatomy), and the lent
-    hosts drift: v8's per-call figures at 77 keys moved 2.2-2.7x between calls. A round's impls share
+    hosts drift: per-call figures at 77 keys once moved 2.2-2.7x between calls. A round's impls share
     the host's state, so the ratio within a round cancels most of it."""
     names = [n for n in PAIRED if row.ms.get(n) is not None]
     if rounds < 1 or names[:1] != ["sdpatch"] or len(names) < 2 or row.ms["sdpatch"] > PAIRED_MAX_MS:

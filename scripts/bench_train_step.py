@@ -32,7 +32,7 @@ SIZES = [512, 768]
 BATCH = 4
 # "auto recompute": patch_unet(recompute=True), each attention layer recomputed in the backward.
 VARIANTS = ("stock", "auto", "auto recompute")
-# Rounds per configuration: 9 gave ratio quartiles 0.90-1.26 wide on a lent host (call 3 of v6); the
+# Rounds per configuration: 9 gave ratio quartiles 0.90-1.26 wide on a lent host; the
 # median of 19 moves about a third less.
 ROUNDS = 19
 

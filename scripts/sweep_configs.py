@@ -77,7 +77,7 @@ CASES = [c for c in BENCH_CASES if c.sdpatch_backend == "triton" and c.Nq <= 163
 
 def fwd_variants(c: Case) -> list[tuple[str, bool, bool]]:
     """(label, split head dim, K/V through TMA): both tilings where they differ, both loads where the
-    GPU has TMA. (v2's sweep measured the scale folded into exp2's FMA, +2-3 % everywhere, and v3's a
+    GPU has TMA. (an earlier sweep measured the scale folded into exp2's FMA, +2-3 % everywhere, and another a
     lazy rescale of the accumulators, -4 to -12 %: neither is a variant any more.)"""
     tilings = [False, True] if head_dim_parts(c.D, True)[1] else [False]
     tma = TensorDescriptor is not None and (interpreting() or torch.cuda.get_device_capability()[0] >= 9)

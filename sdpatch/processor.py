@@ -52,7 +52,7 @@ class SdpatchAttnProcessor:
             keeps q, k, v, the attention output and the log-sum-exp. The backward then runs the
             layer's forward once more (projections and attention, no score matrix): on SD 1.5 at
             768², batch 4, 10 % less peak memory for a 1.2-1.3x slower step on an H200, whose step
-            is bound by the host's Python (docs/benchmarks.md, v12). Off by default.
+            is bound by the host's Python (docs/benchmarks.md, training). Off by default.
     """
 
     def __init__(

@@ -55,7 +55,7 @@ def test_cpu_tensors_never_taken():
     assert not fh.serves(q, k, v, None)
 
 
-SERVED = [  # (B, H, Nq, Nk, D, served): from 256 keys on, on grids of 128 programs and more (v14)
+SERVED = [  # (B, H, Nq, Nk, D, served): from 256 keys on, on grids of 128 programs and more (measured on an H200)
     (2, 8, 4096, 4096, 40, True),  # SD 1.5 level 1: 16 x 16 programs of 2 x 128 rows
     (2, 8, 1024, 1024, 40, False),  # 4 x 16: the Triton kernel
     (2, 20, 1024, 1024, 64, True),  # SDXL level 2: 6 x 40 programs of 3 x 64 rows
@@ -241,7 +241,7 @@ def test_grid_for(heads, n_q, n_k, sms, config, grid):
 
 def test_plan_time():
     """hd64 1024 (B 2, H 20): whole tiles take two tiles' time; the mixed plan one whole tile and
-    one of two consumers, 2.6 / 3 of it (SERIAL_CONSUMERS, measured in v16)."""
+    one of two consumers, 2.6 / 3 of it (SERIAL_CONSUMERS, measured on an H200)."""
     whole, mixed = (40, 6, 0, 0, 0), (7, 0, 8, 4, 2)
     assert fh.plan_time(whole, 40, 1024, 132, 64, 3) == pytest.approx(2.0)
     assert fh.plan_time(mixed, 40, 1024, 132, 64, 3) == pytest.approx(1 + 2.6 / 3)

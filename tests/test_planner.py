@@ -231,7 +231,7 @@ def test_model_replays_chunked_attention_and_split_cfg_on_tiny(tiny):
 
 # -- the H200 measurements the estimator was calibrated on ----------------------------------------
 
-# Peak over the weights, fp16, H200 (DESIGN.md and docs/benchmarks.md, 2026-11-30). The estimator
+# Peak over the weights, fp16, H200 (docs/design.md and docs/benchmarks.md, 2026-11-30). The estimator
 # reproduces all eight within 2 %; the test allows 5 %.
 H200_COMPONENT_PEAKS = [
     pytest.param("sd15", "denoising", 512, 131 * MIB, id="sd15-unet-512"),
@@ -271,7 +271,7 @@ def safety_checker_bytes() -> int:
         return module_bytes(StableDiffusionSafetyChecker(config).half())
 
 
-# DESIGN.md's end-to-end SD1.5 runs, stock diffusers with SDPA, 3 steps: peak allocated GiB. They
+# docs/design.md's end-to-end SD1.5 runs, stock diffusers with SDPA, 3 steps: peak allocated GiB. They
 # sit 0.45-0.55 GiB above the weights plus the component peaks above at every size: a stock
 # SD 1.5 pipeline carries a safety checker (0.57 GiB in fp16) that the sd15 preset leaves out.
 # With it counted as weights, the estimates are within 2 %.
