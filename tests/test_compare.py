@@ -700,3 +700,16 @@ def test_compare_shows_one_bar_over_its_cells_on_a_terminal(tmp_path, monkeypatc
     shown = sys.stderr.getvalue()
     for label in ("building tiny on cpu", "warm-up: stock at 64²", "cells: 0/2", "64² sdpa: 1/2", "64² stock again"):
         assert label in shown
+
+
+def test_the_torch_free_backend_lists_name_every_registered_backend():
+    """The CLI parses before importing torch, so compare's backend names and the --backend help are
+    written out; a backend added to the registry must appear in them too."""
+    from sdpatch.attention import REGISTRY
+    from sdpatch.cli import BackendOpt
+    from sdpatch.compare.cells import DEFAULT_BACKENDS
+    from sdpatch.settings import COMPARE_BACKENDS
+
+    help_text = BackendOpt.__metadata__[0].help
+    for name in REGISTRY:
+        assert name in COMPARE_BACKENDS and name in DEFAULT_BACKENDS and name in help_text
