@@ -780,7 +780,7 @@ def test_a_plan_from_a_local_folders_configs(monkeypatch, tmp_path):
     model_index.json does, as in a real checkpoint. It plans as the preset does."""
     from sdpatch.configs import load_component_config
 
-    monkeypatch.setattr(search, "_host_available", lambda: 16 * GIB)  # the same in both runs
+    monkeypatch.setattr(search, "host_available_bytes", lambda: 16 * GIB)  # the same in both runs
     index = {"_class_name": "StableDiffusionPipeline"}
     for component in ("unet", "vae", "text_encoder", "scheduler"):
         cfg = load_component_config("sd15", component)
@@ -796,7 +796,7 @@ def test_a_plan_from_a_local_folders_configs(monkeypatch, tmp_path):
 
 
 def test_the_plan_command_refuses_a_plan_the_host_cannot_hold(monkeypatch):
-    monkeypatch.setattr(search, "_host_available", lambda: GIB // 2)
+    monkeypatch.setattr(search, "host_available_bytes", lambda: GIB // 2)
     result = invoke("plan", "-m", "sdxl", "-H", "1024", "-W", "1024", "--vram-budget", "3", "--device", "cuda")
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()

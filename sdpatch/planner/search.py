@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from sdpatch.memory import MIB, PHASE_LABELS, format_bytes, host_resident_bytes
+from sdpatch.memory import MIB, PHASE_LABELS, format_bytes, host_available_bytes, host_resident_bytes
 from sdpatch.planner.estimator import (
     GIB,
     GPU_ASSUMPTIONS,
@@ -42,7 +42,7 @@ from sdpatch.planner.levers import (
     apply_plan,
     lever_unavailable,
 )
-from sdpatch.planner.spec import _host_available, device_state, model_spec
+from sdpatch.planner.spec import device_state, model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def resolve_budget(budget: str | float, device: torch.device) -> tuple[int, str]
         free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device)
         return free + held, f"auto: {format_bytes(free)} free on {device} + {format_bytes(held)} reserved here"
-    available, held = _host_available(), host_resident_bytes()
+    available, held = host_available_bytes(), host_resident_bytes()
     label = f"auto: {format_bytes(available)} of host memory available + {format_bytes(held)} resident here"
     return available + held, label
 
@@ -424,7 +424,7 @@ def plan_from_configs(
     size = default_size(pipe)
     shape = RunShape(height or size, width or size, batch, cfg)
     nbytes, label = resolve_budget(budget, target)
-    state = DeviceState(cuda=cuda, expandable_segments=cuda, host_available=_host_available() if cuda else None)
+    state = DeviceState(cuda=cuda, expandable_segments=cuda, host_available=host_available_bytes() if cuda else None)
     chosen = plan_for(spec, shape, nbytes, state, budget_label=label, allow_fp8=allow_fp8)
     return replace(chosen, notes=chosen.notes + (tuple(f"assumed: {a}" for a in GPU_ASSUMPTIONS) if cuda else ()))
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
-from sdpatch.memory import host_resident_bytes, weights_bytes
+from sdpatch.memory import host_available_bytes, host_resident_bytes, weights_bytes
 from sdpatch.planner.estimator import AttentionCost, DeviceState, ModelSpec
 from sdpatch.planner.levers import expandable_segments_on
 
@@ -163,20 +163,8 @@ def device_state(pipe: Any, spec: ModelSpec, device: torch.device | None = None)
             max(0, allocated - resident),
             reserved - allocated,
             expandable_segments_on(),
-            host_available=_host_available() + on_host,
+            host_available=host_available_bytes() + on_host,
         )
     resident = sum(spec.weights[name] for name in spec.resident)
     return DeviceState(False, max(0, host_resident_bytes() - resident))
 
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil  # not Linux
-
-    return psutil.virtual_memory().available
