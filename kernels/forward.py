@@ -2,18 +2,53 @@
 
 Two variants compute the same function: the Gluon Hopper kernel (:mod:`.flash_fwd_hopper`) for
 unmasked self-attention on sm_90 wherever its grid fills the GPU (:func:`flash_fwd_hopper.serves`),
-where it measured faster, and the FlashAttention-2-style Triton kernel (:mod:`.flash_fwd`) for every
-other call. A Gluon launch that raises (an API this triton lacks) hands every later call to the
-Triton kernel, with one warning. :func:`describe` says which variant, tiling and grid a call gets.
+where its kernel time measured 1.03-1.3x the Triton kernel's, and the FlashAttention-2-style Triton
+kernel (:mod:`.flash_fwd`) for every other call. A Gluon launch costs the host more: its TMA
+descriptors are encoded per call, 80-160 us of host time against the Triton kernel's ~30 on the lent
+H200 hosts. So the Gluon kernel serves calls that will be replayed from a CUDA graph
+(:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's warm-up and capture, so
+that the kernel it captures is the one its warm-up compiled), and eager calls only where the kernel
+is long enough to hide that host time (:data:`EAGER_GLUON_MIN_FLOP`). A Gluon launch that raises (an
+API this triton lacks) hands every later call to the Triton kernel, with one warning.
+:func:`describe` says which variant, tiling and grid a call gets.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from . import flash_fwd, flash_fwd_hopper
 from .shared import mask_kind, tiling
 from .runtime import vector_align
+
+
+# Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H200
+# (eager diffusers Attention layers, fp16): the Triton kernel was as fast or faster than the Gluon one
+# in every self-attention layer of SD 1.5 and SDXL up to (2, 10, 4096, 64), 8.6e10 FLOPs, where its
+# layer took 262 us against 582; the crossover above that is not measured. 1.5e11 FLOPs is a
+# kernel of about 0.5 ms, past which the host runs ahead of the GPU.
+EAGER_GLUON_MIN_FLOP = 1.5e11
+_capture_depth = 0  # > 0 inside for_capture()
+
+
+@contextlib.contextmanager
+def for_capture():
+    """Calls in this block are for a CUDA graph (its warm-up or its capture): the Gluon kernel
+    serves wherever it can, since a replay costs no host time per launch."""
+    global _capture_depth
+    _capture_depth += 1
+    try:
+        yield
+    finally:
+        _capture_depth -= 1
+
+
+def gluon_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a default call goes to the Gluon kernel: see the module's docstring."""
+    return ((_capture_depth > 0 or 4 * q.numel() * k.shape[2] >= EAGER_GLUON_MIN_FLOP)
+            and flash_fwd_hopper.serves(q, k, v, mask))
 
 
 def flash_attn_fwd(
@@ -30,7 +65,7 @@ def flash_attn_fwd(
     """Attention forward on the variant that serves the call; arguments and results as
     :func:`flash_fwd.fa2_attn_fwd`'s. Calls that pin the Triton kernel's tiling (``config``,
     ``split_head_dim`` or ``kv_tma``) always get it."""
-    if config is None and split_head_dim is None and kv_tma is None and flash_fwd_hopper.serves(q, k, v, mask):
+    if config is None and split_head_dim is None and kv_tma is None and gluon_serves(q, k, v, mask):
         try:
             return flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale, return_lse)
         except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
@@ -41,9 +76,10 @@ def flash_attn_fwd(
 
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
-    """The variant a default call takes, with its head-dim tiling and, for Gluon, its grid."""
+    """The variant a default call takes here (eager, or inside :func:`for_capture`), with its
+    head-dim tiling and, for Gluon, its grid."""
     D = q.shape[-1]
-    if flash_fwd_hopper.serves(q, k, v, mask):
+    if gluon_serves(q, k, v, mask):
         lo, hi = flash_fwd_hopper.split_parts(D)
         config = flash_fwd_hopper.config_for(D)
         B, H, Nq, _ = q.shape
@@ -56,4 +92,4 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             + (", K and V through TMA" if tma else ""))
 
 
-__all__ = ["describe", "flash_attn_fwd"]
+__all__ = ["EAGER_GLUON_MIN_FLOP", "describe", "flash_attn_fwd", "for_capture", "gluon_serves"]

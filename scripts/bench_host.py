@@ -39,6 +39,13 @@ from _bench import Case, environment
 CASES = [Case("self 256", 2, 8, 256, 256, 40), Case("cross 256x77", 2, 8, 256, 77, 40)]
 ITERS = 200
 # The backward cases whose per-call figures the host decides (measured on the lent H200 hosts).
+# Whole attention layers, as a UNet calls them in eager mode at host-bound SD shapes: diffusers'
+# AttnProcessor2_0 (SDPA) against sdpatch's processor (B, H, Nq, Nk, D; Nk 77 is cross-attention
+# on SDXL's 2048-wide text states).
+LAYER_CASES = [Case("layer hd40 4096", 2, 8, 4096, 4096, 40), Case("layer hd40 4096x77", 2, 8, 4096, 77, 40),
+               Case("layer hd80 1024", 2, 8, 1024, 1024, 80), Case("layer hd160 256", 2, 8, 256, 256, 160),
+               Case("layer hd160 1024", 2, 8, 1024, 1024, 160), Case("layer hd64 1024", 2, 20, 1024, 1024, 64),
+               Case("layer hd64 1024x77", 2, 20, 1024, 77, 64), Case("layer hd64 4096", 2, 10, 4096, 4096, 64)]
 ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
 
 
@@ -60,6 +67,38 @@ def calls(c: Case, device: str) -> dict:
         "sdpatch fwd+bwd": lambda: sdpatch.attention(q, k, v, backend="triton").backward(do),
         "sdpa fwd+bwd": lambda: F.scaled_dot_product_attention(q, k, v).backward(do),
     }
+
+
+def layer_calls(c: Case, device: str) -> dict:
+    """{name: zero-argument call}: one diffusers ``Attention`` layer's forward without gradients,
+    with its stock ``AttnProcessor2_0`` and with sdpatch's processor (the layer patch_unet sets)."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    from sdpatch.processor import SdpatchAttnProcessor
+
+    cross = c.Nk != c.Nq
+    layer = Attention(c.H * c.D, cross_attention_dim=2048 if cross else None, heads=c.H, dim_head=c.D)
+    layer = layer.to(device, torch.float16).eval()
+    x = torch.randn(c.B, c.Nq, c.H * c.D, device=device, dtype=torch.float16)
+    context = torch.randn(c.B, c.Nk, 2048, device=device, dtype=torch.float16) if cross else None
+    stock, ours = AttnProcessor2_0(), SdpatchAttnProcessor("layer")
+
+    def call(processor):
+        def run():
+            with torch.no_grad():
+                return processor(layer, x, context)
+        return run
+
+    def fa2_only():  # the same layer with the Gluon forward switched off: the FA2 Triton kernel serves
+        from sdpatch.kernels import flash_fwd_hopper
+
+        enabled, flash_fwd_hopper.ENABLED = flash_fwd_hopper.ENABLED, False
+        try:
+            return call(ours)()
+        finally:
+            flash_fwd_hopper.ENABLED = enabled
+
+    return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only}
 
 
 class _Identity(torch.autograd.Function):
@@ -215,9 +254,13 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     return rows
 
 
-def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES) -> list[dict]:
+PARTS = ("calls", "layers", "anatomy")
+
+
+def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES,
+         parts_run: tuple = PARTS) -> list[dict]:
     rows, parts = [], []
-    for c in cases:
+    for c in cases if "calls" in parts_run else []:
         fns = calls(c, device)
         for name, fn in fns.items():
             runs = host_us(fn, iters, device)
@@ -231,18 +274,34 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
             runs = host_us(fn, iters, device)
             parts.append(dict(case=c.name, piece=name, best_us=min(runs)))
             print(f"{c.name:14s}   {name:34s} host us/call: best {min(runs):6.1f}", flush=True)
+    layer_rows = []
+    for c in LAYER_CASES if device == "cuda" and "layers" in parts_run else []:
+        for name, fn in layer_calls(c, device).items():
+            runs = host_us(fn, iters, device)
+            layer_rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
+            print(f"{c.name:20s} {name:14s} us/call: best {min(runs):6.1f}  median {statistics.median(runs):6.1f}", flush=True)
     print(environment())
+    if layer_rows:
+        # Unsynchronized calls: each figure is the larger of the host's and the GPU's time per call.
+        print("| layer, eager, no grad | stock AttnProcessor2_0 us | sdpatch us | sdpatch / stock | sdpatch, FA2 only, us | FA2 only / stock |")
+        print("|---|---|---|---|---|---|")
+        med = {(r["case"], r["impl"]): r["median_us"] for r in layer_rows}
+        for c in LAYER_CASES:
+            theirs, ours, fa2 = (med[c.name, n] for n in ("stock layer", "sdpatch layer", "sdpatch fa2 layer"))
+            print(f"| {c.name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {fa2:.1f} | {fa2 / theirs:.2f} |")
+        for c in LAYER_CASES[:1] + LAYER_CASES[-1:]:
+            print(c.name, "sdpatch layer", profile_top(layer_calls(c, device)["sdpatch layer"], iters, lines=25), sep="\n")
     print("| case | call | sdpatch us | SDPA us | difference us |")
     print("|---|---|---|---|---|")
     best = {(r["case"], r["impl"]): r["best_us"] for r in rows}
-    for c in cases:
+    for c in cases if rows else []:
         for part in ("fwd", "fwd+bwd"):
             ours, theirs = best[c.name, f"sdpatch {part}"], best[c.name, f"sdpa {part}"]
             print(f"| {c.name} | {part} | {ours:.0f} | {theirs:.0f} | {ours - theirs:+.0f} |")
     print("\n| case | piece | host us |\n|---|---|---|")
     for p in parts:
         print(f"| {p['case']} | {p['piece']} | {p['best_us']:.1f} |")
-    anatomy = [r for c in ANATOMY_CASES for r in backward_anatomy(c)] if device == "cuda" else []
+    anatomy = [r for c in ANATOMY_CASES for r in backward_anatomy(c)] if device == "cuda" and "anatomy" in parts_run else []
     if anatomy:
         print("\n| case | impl | GPU us (events) | host us in autograd.grad: median (p10-p90) | sdpatch: to backward / backward / back us |")
         print("|---|---|---|---|---|")
@@ -251,11 +310,13 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
         print(f"| {r['case']} | {r['impl']} | {r['gpu_us']:.0f} | {r['host_us']:.0f} ({r['host_p10_us']:.0f}–{r['host_p90_us']:.0f}) | {parts_us} |")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows, "pieces": parts, "anatomy": anatomy}, f, indent=1)
+            json.dump({"env": environment(), "rows": rows, "layers": layer_rows, "pieces": parts, "anatomy": anatomy}, f, indent=1)
     return rows
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
-    main(json_path=ap.parse_args().json)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    args = ap.parse_args()
+    main(json_path=args.json, parts_run=tuple(args.parts.split(",")))

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from sdpatch import attention
-from sdpatch.kernels import flash_fwd, flash_fwd_hopper
+from sdpatch.kernels import flash_fwd, flash_fwd_hopper, forward
 from sdpatch.attention.naive import attention_ref
 
 from _bench import grid_variants, make_mask, peak_over
@@ -123,9 +123,10 @@ def check_gluon(q, k, v, ref, name) -> None:
     out_triton, lse_triton = flash_fwd.fa2_attn_fwd(q, k, v, scale, return_lse=True, kv_tma=False)  # not default: Triton
     e = rel(out[:1, :2], ref)
     e_lse = (lse - lse_triton).abs().max().item()
-    served = flash_fwd_hopper.serves(q, k, v, None)
+    served = ("eager and captured calls" if forward.gluon_serves(q, k, v, None)
+              else "captured calls" if flash_fwd_hopper.serves(q, k, v, None) else "no default calls")
     report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
-           f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, default calls {'served' if served else 'not served'}")
+           f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, serves {served}")
     # The whole output against the Triton kernel's: as this GPU's SMs lay the grid out, then with
     # its last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split; that tile is the
     # last head's), then in tiles of two sizes (tile_plan), where an SM count gives some.

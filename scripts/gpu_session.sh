@@ -5,7 +5,7 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check graphs e2e sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
-# sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps (comma-separated case names or substrings;
+# sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps, host=PARTS --parts PARTS to bench_host.py (comma-separated case names or substrings;
 # e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
@@ -61,12 +61,17 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
     e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" \
            --json "$W/bench_e2e.json" > "$W/bench_e2e.log" 2>&1 || rc=$? ;;
-    host) $t python3 "$REPO/scripts/bench_host.py" --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
+    host) $t python3 "$REPO/scripts/bench_host.py" ${only:+--parts "$only"} --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
     train) $t python3 "$REPO/scripts/bench_train_step.py" --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
-    planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column
+    planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column;
+      # planner=small: issue 29's small-card targets alone
+      if [ "$only" = small ]; then
+        $t python3 "$REPO/scripts/check_planner.py" --small-cards --json "$W/check_planner_small.json" > "$W/check_planner_small.log" 2>&1 || rc=$?
+        echo "=== $s: exit $rc $(date +%T)"; tail -n 25 "$W"/check_planner_small.log; collect; return $rc
+      fi
       $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner.json" > "$W/check_planner.log" 2>&1 || rc=$?
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner_expandable.json" \
         > "$W/check_planner_expandable.log" 2>&1 || rc=$?

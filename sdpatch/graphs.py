@@ -32,6 +32,7 @@ weights, ``fuse_qkv_projections``, another attention processor) and Python attri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -135,7 +136,8 @@ class GraphRunner:
                     return self._replay(entry, leaves)
                 reason = self.failed[key]
         self._eager(reason)
-        output = self.forward(*args, **kwargs)
+        with _for_capture() if reason == WARMUP else contextlib.nullcontext():
+            output = self.forward(*args, **kwargs)
         if reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs:
             # Captured now, replayed from the next call on: the one-time cost stays in this call.
             self._capture(key, leaves, spec)
@@ -195,7 +197,7 @@ class GraphRunner:
             self._pool = self._pool_factory()
         reserved = self._reserved()
         try:
-            with self._capture_context(graph, pool=self._pool):
+            with _for_capture(), self._capture_context(graph, pool=self._pool):
                 output = self.forward(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - whatever the forward cannot do under capture
             why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -238,6 +240,14 @@ class GraphRunner:
         self.seen.clear()
         self.failed.clear()
         self._pool = None
+
+
+def _for_capture():
+    """The kernels' launch mode for a signature's warm-up and capture: the attention kernel the
+    graph holds is then the one the warm-up compiled (:func:`sdpatch.kernels.forward.for_capture`)."""
+    from .kernels.forward import for_capture
+
+    return for_capture()
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

@@ -210,6 +210,35 @@ def test_the_default_warm_up_puts_every_launch_on_its_binary_before_the_capture(
     assert runner.stats.eager_calls == 2 and runner.stats.replays == 2
 
 
+def test_warm_up_and_capture_launch_as_for_a_graph_and_other_calls_as_eager(unet):
+    """The launch layer serves a graph's warm-up and capture with the kernels a replay wants
+    (sdpatch.kernels.forward.for_capture), and so the capture holds what the warm-up compiled;
+    calls that are not for a graph launch as eager calls."""
+    from sdpatch.kernels import forward
+
+    modes = []
+    inner = unet.forward
+
+    def recording(*args, **kwargs):
+        modes.append(forward._capture_depth > 0)
+        return inner(*args, **kwargs)
+
+    capture = Capture()
+    runner = graphs.GraphRunner(unet, recording, graph_factory=FakeGraph, capture_context=capture,
+                                reserved=lambda: 0, warmup=graphs.WARMUP_CALLS)
+    FakeGraph.runner = runner
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for _ in range(3):  # two warm-up calls, the capture, a replay (the stand-in's replay runs it again)
+            runner(**kw)
+    assert modes[:3] == [True, True, True] and capture.captures == 1
+    with torch.enable_grad():
+        for p in unet.parameters():
+            p.requires_grad_(True)
+        runner(**kw)  # autograd records: eager
+    assert modes[-1] is False and forward._capture_depth == 0
+
+
 def test_compile_marks_each_repeated_transformer_block_and_turns_the_caches_on(monkeypatch, tmp_path):
     """--compile: every BasicTransformerBlock compiled (lazily: nothing runs here), inductor's
     on-disk caches on, in sdpatch's folder unless the user chose one."""

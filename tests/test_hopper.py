@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sdpatch.kernels import flash_fwd_hopper as fh
+from sdpatch.kernels import forward
 from sdpatch.kernels.shared import split_parts
 from sdpatch.attention.naive import attention_ref
 
@@ -77,6 +78,31 @@ def test_serves(monkeypatch, B, H, Nq, Nk, D, served):
     assert fh.serves(q, k, k, None) is served
     monkeypatch.setattr(fh, "ENABLED", False)  # SDPATCH_GLUON=0
     assert not fh.serves(q, k, k, None)
+
+
+EAGER_OR_CAPTURED = [  # (B, H, Nq, Nk, D, eager, captured): calls fh.serves takes, by the launch layer's policy
+    (2, 8, 4096, 4096, 40, False, True),  # SD 1.5 at 512², level 1: 4.3e10 FLOPs
+    (2, 10, 4096, 4096, 64, False, True),  # SDXL at 1024², level 2: 8.6e10 (measured faster on Triton eagerly)
+    (2, 8, 1024, 1024, 80, False, True),
+    (2, 8, 16384, 16384, 40, True, True),  # SD 1.5 at 1024², level 1: 6.9e11
+    (2, 10, 16384, 16384, 64, True, True),  # SDXL at 2048²
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,eager,captured", EAGER_OR_CAPTURED,
+                         ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}" for b, h, nq, nk, d, *_ in EAGER_OR_CAPTURED])
+def test_gluon_serves_captured_calls_and_eager_ones_long_enough_to_hide_its_launch(monkeypatch, B, H, Nq, Nk, D, eager, captured):
+    monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: True)  # as fh.serves takes every case above on an H200
+    q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
+    assert forward.gluon_serves(q, k, k, None) is eager
+    with forward.for_capture():
+        with forward.for_capture():  # nested: a capture inside a warm-up's block
+            pass
+        assert forward.gluon_serves(q, k, k, None) is captured
+    assert forward.gluon_serves(q, k, k, None) is eager
+    monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: False)  # SDPATCH_GLUON=0, another GPU, a mask
+    with forward.for_capture():
+        assert not forward.gluon_serves(q, k, k, None)
 
 
 @pytest.mark.parametrize("D,config", [(40, (128, 64, 2, 2)), (64, (64, 128, 2, 3)), (16, (128, 64, 2, 2)), (80, (64, 128, 2, 2)),
@@ -177,7 +203,8 @@ def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch
     monkeypatch.setattr(fh, "_failed", [])
     q, k, v = qkv(torch.float32, D=16, Nq=33, Nk=17)
     for _ in range(2):
-        out, _ = flash_attn_fwd(q, k, v, 0.25)
+        with forward.for_capture():  # where the Gluon kernel serves a call of this size
+            out, _ = flash_attn_fwd(q, k, v, 0.25)
         ref = attention_ref(q, k, v, scale=0.25)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
     assert fh._failed == ["RuntimeError: no such Gluon op"]
