@@ -1,4 +1,4 @@
-"""Attention kernel benchmark at Stable Diffusion shapes: sdpatch vs PyTorch's SDPA backends.
+"""Attention kernel benchmark at Stable Diffusion shapes: sdpatch vs PyTorch's SDPA backends and FA4.
 
 One command (needs a CUDA GPU):
 
@@ -15,15 +15,24 @@ cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
 the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
+
+FlashAttention-4 ("fa4", ``flash_attn.cute``) is an optional peer, timed where it imports (on the
+lent machine it is installed by hand from wheels onto PYTHONPATH) and takes the case's head dim:
+per call through its public ``flash_attn_func`` (backward through autograd, as the SDPA peers), and
+kernel time by CUDA-graph replay of the forward call and of the backward op autograd calls. Its
+inputs are (B, N, H, D) copies made before any timing. Its result is checked against the float64
+reference like sdpatch's; a relative error over ``REL_ERR_BUDGET`` is flagged in the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +55,7 @@ NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naiv
 REF_ROWS = 512  # queries checked against float64 (the reference materializes its scores)
 PAIRED = ("sdpatch", "cudnn", "flash")  # timed in turns, round by round (see measure_paired)
 PAIRED_MAX_MS = 2.0  # calls longer than this are kernel-bound: the host's drift cannot move their ratios
+REL_ERR_BUDGET = 1e-2  # fp16/bf16 error against float64 past which a result is wrong (check_gpu.py's RTOL)
 
 
 CASES = [
@@ -83,6 +93,7 @@ class Row:
     tuned_config: str | None = None  # the autotuner's picks for sdpatch's kernels, for pruning their lists
     paired: dict = field(default_factory=dict)  # impl -> sdpatch's speed over it per round: median, quartiles
     rounds_ms: dict = field(default_factory=dict)  # impl -> its ms per call in each paired round
+    fa4_rel_err: float | None = None  # FA4's output (forward) or dQ (backward) against float64, as rel_err
 
 
 def naive(q, k, v, scale):
@@ -152,6 +163,100 @@ def measure_paired(row: Row, fns: dict, rounds: int) -> None:
     row.rounds_ms = times
     for n in names[1:]:
         row.paired[n] = paired_ratio(times[n], times["sdpatch"])
+
+
+def reason(e: BaseException) -> str:
+    """An exception's type and first line, for a one-line note: FA4's assertions may carry no text."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:100]}" if lines else type(e).__name__
+
+
+@functools.cache
+def fa4():
+    """FA4's ``flash_attn.cute.interface``, or None, with the reason printed once, where it does not
+    import: FA4 is an optional peer, none of sdpatch's dependencies, and importing it loads CuTe DSL's
+    CUDA libraries, so it is imported on first use, not with this script."""
+    try:
+        from flash_attn.cute import interface
+    except Exception as e:  # not installed (ImportError), or CuTe DSL failing to load its libraries
+        print(f"fa4 skipped: flash_attn.cute does not import ({reason(e)})")
+        return None
+    return interface
+
+
+def measure_fa4_graph(row: Row, fn, flops: float) -> None:
+    """FA4's kernel time by CUDA-graph replay, as :func:`measure_graph`; where the capture fails, FA4
+    keeps its per-call figure (``do_bench``, host time included) alone, and the output says so."""
+    try:
+        fn()
+        row.graph_tflops["fa4"] = flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
+    except Exception as e:  # CuTe DSL and TVM-FFI raise their own types, not RuntimeError alone
+        row.graph_tflops["fa4"] = None
+        print(f"  {row.case.name}: fa4 not capturable in a CUDA graph ({reason(e)}); timed by do_bench per call only")
+
+
+def measure_fa4(row: Row, q, k, v, do, scale: float, flops: float, out_bytes: int) -> torch.Tensor | None:
+    """Time FA4 on a case's (B, H, N, D) q, k, v (and dO, for a backward case), per call and by
+    graph replay. Returns its output (forward) or dQ (backward) viewed as (B, H, N, D), for the
+    float64 check; None where FA4 is absent or refuses the case, with the reason printed."""
+    fa = fa4()
+    if fa is None:
+        return None
+    c = row.case
+    # FA4 takes (B, N, H, D). Copies made once, here: handed transposed views, it would copy them
+    # itself (maybe_contiguous) inside every timed call.
+    qf, kf, vf = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v))
+    try:
+        if not c.backward:
+            def fwd():
+                return fa.flash_attn_func(qf, kf, vf, softmax_scale=scale)[0]
+
+            got = fwd()  # the first call compiles; a head dim or arch FA4 does not take fails its assertion here
+        else:
+            dof = do.transpose(1, 2).contiguous()
+            leaves = tuple(t.clone().requires_grad_(True) for t in (qf, kf, vf))
+            out = fa.flash_attn_func(*leaves, softmax_scale=scale)[0]
+
+            def bwd():
+                return torch.autograd.grad(out, leaves, dof, retain_graph=True)
+
+            got = bwd()[0]
+    except Exception as e:  # an assertion for a refused shape or CuTe DSL's compile error: a result
+        row.ms["fa4"] = row.tflops["fa4"] = row.extra_mib["fa4"] = None
+        print(f"  {c.name}: fa4 unavailable: {reason(e)}")
+        torch.cuda.empty_cache()
+        return None
+    if not c.backward:
+        measure(row, "fa4", fwd, flops, out_bytes)
+        measure_fa4_graph(row, fwd, flops)
+        return got.transpose(1, 2)
+    measure(row, "fa4", bwd, flops, 3 * out_bytes)
+    # The graph replays the op FA4's autograd backward calls (a backward runs outside a capture, as
+    # for sdpa_backward), on a forward run here for its log-sum-exp.
+    out_d, lse = fa.flash_attn_func(qf, kf, vf, softmax_scale=scale, return_lse=True)
+
+    def op():
+        return fa._flash_attn_bwd(qf, kf, vf, out_d, dof, lse, scale)
+
+    try:
+        err = rel_err(op()[0], got)
+    except Exception as e:  # the private op's signature may move between FA4's betas
+        print(f"  {c.name}: fa4 backward op unavailable: {reason(e)}")
+        return got.transpose(1, 2)
+    if err < 1e-3:  # the op as called here gives autograd's dQ: the same kernels
+        measure_fa4_graph(row, op, flops)
+    else:
+        print(f"  {c.name}: fa4 backward op's dQ differs from autograd's (rel err {err:.1e}); not timed")
+    torch.cuda.empty_cache()
+    return got.transpose(1, 2)
+
+
+def check_err(row: Row, impl: str, got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``got``'s relative error against the float64 ``ref``, with a line printed where it is over budget."""
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    if not err <= REL_ERR_BUDGET:  # NaN fails too
+        print(f"  {row.case.name}: {impl} WRONG: rel err {err:.1e} against float64 (budget {REL_ERR_BUDGET:.0e})")
+    return err
 
 
 def run_case(c: Case, rounds: int) -> Row:
@@ -235,13 +340,15 @@ def run_case(c: Case, rounds: int) -> Row:
                 measure_graph(row, name, fn, flops)
             else:
                 print(f"  {c.name}: {name} backward op's dQ differs from autograd's (rel err {err:.1e}); not timed")
+        fa4_dq = measure_fa4(row, q, k, v, do, scale, flops, out_bytes)
         # dq against float64 on a slice of rows: a row's dq depends only on that row.
         n = min(REF_ROWS, c.Nq)
         q64 = q[:1, :1, :n].detach().double().requires_grad_()
         k64, v64 = (t[:1, :1].detach().double() for t in (k, v))
         ref = torch.autograd.grad(attention_ref(q64, k64, v64), q64, do[:1, :1, :n].double())[0]
-        got = first[0][:1, :1, :n].double()
-        row.rel_err = ((got - ref).norm() / ref.norm()).item()
+        row.rel_err = check_err(row, "sdpatch", first[0][:1, :1, :n], ref)
+        if fa4_dq is not None:
+            row.fa4_rel_err = check_err(row, "fa4", fa4_dq[:1, :1, :n], ref)
         return row
 
     torch.cuda.synchronize()
@@ -255,9 +362,12 @@ def run_case(c: Case, rounds: int) -> Row:
         if "kv_tma" in impls:
             measure_graph(row, "kv_tma", impls["kv_tma"], flops)
         measure_graph(row, "cudnn", impls["cudnn"], flops)
+    fa4_out = measure_fa4(row, q, k, v, None, scale, flops, out_bytes)
     n = min(REF_ROWS, c.Nq)
     ref = attention_ref(q[:1, :1, :n], k[:1, :1], v[:1, :1])
-    row.rel_err = ((first[:1, :1, :n].double() - ref).norm() / ref.norm()).item()
+    row.rel_err = check_err(row, "sdpatch", first[:1, :1, :n], ref)
+    if fa4_out is not None:
+        row.fa4_rel_err = check_err(row, "fa4", fa4_out[:1, :1, :n], ref)
     return row
 
 
@@ -270,19 +380,29 @@ def paired(stats: tuple | None) -> str:
     return "–" if stats is None else f"{stats[0]:.2f} ({stats[1]:.2f}–{stats[2]:.2f})"
 
 
+def err_cell(x: float | None) -> str:
+    """A relative error, marked where it is over budget."""
+    return fmt(x, ".1e") + (" WRONG" if x is not None and not x <= REL_ERR_BUDGET else "")
+
+
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive"]
-    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | graph: sdpatch / kv_tma / cudnn / flash | rel err"
-            " | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
-    lines = [head, "|" + "---|" * (len(impls) + 9)]
+    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive", "fa4"]
+    graphed = ("sdpatch", "kv_tma", "cudnn", "flash", "fa4")
+    head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | ×fa4 | graph: " + " / ".join(graphed)
+            + " | graph ×fa4 | rel err (sdpatch / fa4) | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
+    lines = [head, "|" + "---|" * (len(impls) + 11)]
     for r in rows:
-        t = r.tflops
+        t, g = r.tflops, r.graph_tflops
         ours = t.get("sdpatch")
         ratio = lambda other: fmt(ours / t[other], ".2f") if ours and t.get(other) else "–"  # noqa: E731
+        # sdpatch over FA4 in kernel time alone: FA4's per-call host work is large, so ×fa4 per call
+        # can measure the host where this one measures the kernels.
+        graph_ratio = fmt(g["sdpatch"] / g["fa4"], ".2f") if g.get("sdpatch") and g.get("fa4") else "–"
         lines.append(
             f"| {r.case.name} | " + " | ".join(fmt(t.get(i)) for i in impls)
-            + f" | {ratio('cudnn')} | {ratio('flash')}"
-            + f" | {' / '.join(fmt(r.graph_tflops.get(i)) for i in ('sdpatch', 'kv_tma', 'cudnn', 'flash'))} | {fmt(r.rel_err, '.1e')}"
+            + f" | {ratio('cudnn')} | {ratio('flash')} | {ratio('fa4')}"
+            + f" | {' / '.join(fmt(g.get(i)) for i in graphed)} | {graph_ratio}"
+            + f" | {err_cell(r.rel_err)} / {err_cell(r.fa4_rel_err)}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')}"
             + "".join(f" | {paired(r.paired.get(i))}" for i in ("cudnn", "flash")) + " |"
         )
@@ -302,6 +422,11 @@ def main() -> None:
         rows.append(run_case(c, args.rounds))
         print(f"done {c.name}", flush=True)
     env = environment()
+    if fa4() is not None:
+        try:
+            env["fa4"] = metadata.version("flash-attn-4")
+        except metadata.PackageNotFoundError:  # imported from a source tree: no distribution to ask
+            env["fa4"] = "unknown"
     print(env)
     print("TFLOP/s (forward 4·B·H·Nq·Nk·D; backward ×2.5)")
     print(table(rows))
