@@ -19,6 +19,19 @@ W=/tmp/gpu_session
 mkdir -p "$OUT" "$W"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# FlashAttention-4, bench_kernels' optional peer: its wheels come in .fa4/ (ignored, carried), the
+# ~92 MB CuTe DSL libraries wheel in two halves (split -b 46000000: *.part-aa, *.part-ab) over two
+# back-to-back calls while the machine stays warm. Once both halves are in /tmp/fa4 they are joined
+# and everything installed to /tmp/fa4site; its cutlass package sits in nvidia_cutlass_dsl/dsl_packages,
+# whose .pth a --target install does not read.
+if [ -d .fa4 ]; then mkdir -p /tmp/fa4 && cp .fa4/* /tmp/fa4/; fi
+for a in /tmp/fa4/*.part-aa; do
+  [ -e "$a" ] && [ -e "${a%-aa}-ab" ] && cat "$a" "${a%-aa}-ab" > "${a%.part-aa}" && rm "$a" "${a%-aa}-ab"
+done
+if ! ls /tmp/fa4/*.part-a? >/dev/null 2>&1 && ls /tmp/fa4/*.whl >/dev/null 2>&1 && [ ! -d /tmp/fa4site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site /tmp/fa4/*.whl
+fi
+[ -d /tmp/fa4site ] && PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
 # Run from outside the checkout: `python -m sdpatch` there would import its source tree, which
 # lacks the kernels the wheel installs as sdpatch.kernels.
 REPO=$(pwd)
