@@ -80,9 +80,9 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
     train) $t python3 "$REPO/scripts/bench_train_step.py" --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
     planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column;
-      # planner=small: issue 29's small-card targets alone
+      # planner=small: issue 29's small-card targets alone (SMALL_MODELS=sdxl,...: those presets' only)
       if [ "$only" = small ]; then
-        $t python3 "$REPO/scripts/check_planner.py" --small-cards --json "$W/check_planner_small.json" > "$W/check_planner_small.log" 2>&1 || rc=$?
+        $t python3 "$REPO/scripts/check_planner.py" --small-cards ${SMALL_MODELS:+--models "$SMALL_MODELS"} --json "$W/check_planner_small.json" > "$W/check_planner_small.log" 2>&1 || rc=$?
         echo "=== $s: exit $rc $(date +%T)"; tail -n 25 "$W"/check_planner_small.log; collect; return $rc
       fi
       $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner.json" > "$W/check_planner.log" 2>&1 || rc=$?
