@@ -23,6 +23,7 @@ import torch
 from diffusers.models import attention_processor as _ap
 from diffusers.models.attention_processor import Attention
 
+from . import undo as changes
 from .attention import BACKENDS, BackendUnavailableError, choose_backend
 from .processor import SdpatchAttnProcessor
 
@@ -40,6 +41,7 @@ _STOCK_NAMES = (
 STOCK_PROCESSORS: tuple[type, ...] = tuple(getattr(_ap, n) for n in _STOCK_NAMES if hasattr(_ap, n))
 _FUSED = getattr(_ap, "FusedAttnProcessor2_0", None)
 
+PATCH = "attention_processors"  # what patch_unet's changes are recorded under (sdpatch.undo)
 _ORIGINAL = "_sdpatch_original_processor"  # attribute on each patched Attention module
 # Per-instance overrides of diffusers' methods on what is patched (see the module docstring).
 _SET_PROCESSOR = "set_processor"  # on each patched Attention module
@@ -77,6 +79,25 @@ def _set_default_attn_processor(model: torch.nn.Module) -> None:
     """``set_default_attn_processor`` of a patched model: unpatch it, then diffusers' own."""
     unpatch_unet(model)
     model.set_default_attn_processor()
+
+
+# The undo steps patch_unet records (sdpatch.undo): partials of these module functions, that is
+# data, so that a patched model stays picklable and copyable, and a copy's undo acts on the copy.
+def _unpatch_layer(attn: Attention) -> None:
+    """One layer back: diffusers' own ``set_processor``, and its original processor unless another
+    than sdpatch's holds the layer now (an IP-Adapter's, a user's)."""
+    if _SET_PROCESSOR in vars(attn):
+        delattr(attn, _SET_PROCESSOR)
+    if isinstance(attn.processor, SdpatchAttnProcessor) and hasattr(attn, _ORIGINAL):
+        attn.set_processor(getattr(attn, _ORIGINAL))
+    if hasattr(attn, _ORIGINAL):
+        delattr(attn, _ORIGINAL)
+
+
+def _unpatch_model(model: torch.nn.Module) -> None:
+    """A model's own ``set_default_attn_processor`` back."""
+    if _SET_DEFAULT in vars(model):
+        delattr(model, _SET_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -273,10 +294,14 @@ def patch_unet(
             type(attn).set_processor(attn, settings.processor(fused=type(original) is _FUSED))
             setattr(attn, _ORIGINAL, original)
         setattr(attn, _SET_PROCESSOR, functools.partial(_set_processor, attn, settings))
+        if not changes.applied(attn, PATCH):  # patching again keeps the one step: it restores the originals
+            changes.record(attn, PATCH, functools.partial(_unpatch_layer, attn))
     patched = {id(attn) for _, attn, _ in plan}
     for _, part in _parts(target, include_vae):
         if hasattr(part, _SET_DEFAULT) and any(id(m) in patched for m in part.modules()):
             setattr(part, _SET_DEFAULT, functools.partial(_set_default_attn_processor, part))
+            if not changes.applied(part, PATCH):
+                changes.record(part, PATCH, functools.partial(_unpatch_model, part))
     logger.info(
         "%d attention layers patched (backend=%s, recompute=%s), %d kept",
         len(plan), backend, recompute, len(layers) - len(plan),
@@ -297,15 +322,9 @@ def unpatch_unet(target: object) -> object:
 
     remove_speed(target)
     for _, attn in _attention_layers(target, include_vae=True):
-        if _SET_PROCESSOR in vars(attn):
-            delattr(attn, _SET_PROCESSOR)
-        if isinstance(attn.processor, SdpatchAttnProcessor) and hasattr(attn, _ORIGINAL):
-            attn.set_processor(getattr(attn, _ORIGINAL))
-        if hasattr(attn, _ORIGINAL):
-            delattr(attn, _ORIGINAL)
+        changes.undo(attn, PATCH)
     for _, part in _parts(target, include_vae=True):
-        if _SET_DEFAULT in vars(part):
-            delattr(part, _SET_DEFAULT)
+        changes.undo(part, PATCH)
     return target
 
 

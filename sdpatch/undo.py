@@ -2,11 +2,12 @@
 under the name of what made it, with how to take it back.
 
 tomesd's ``apply``/``remove`` is the model: applying again takes the earlier change out first, and
-removing runs the recorded steps, last first, so that the object is as it was. The planner's levers
-(:func:`sdpatch.planner.apply_plan`), CUDA-graph capture (:func:`sdpatch.graphs.capture`) and the
-comparison report's backend switches record theirs here. The patcher keeps its record as data on
-each attention layer (the processor it replaced, and the layer's settings), not as steps: a patched
-model must stay picklable and copyable, and a copy's undo must act on the copy.
+removing runs the recorded steps, last first, so that the object is as it was. The patcher
+(:func:`sdpatch.patch_unet`), the planner's levers (:func:`sdpatch.planner.apply_plan`), CUDA-graph
+capture (:func:`sdpatch.graphs.capture`) and the comparison report's backend switches record theirs
+here. A step is any callable; where the changed object must stay picklable and copyable (a patched
+model), make it a ``functools.partial`` of a module-level function: pickle and ``copy.deepcopy``
+carry it, and a copy's undo then acts on the copy.
 """
 
 from __future__ import annotations

@@ -163,6 +163,25 @@ def test_unpatch_restores_processors_by_identity(name):
     assert not any(hasattr(m, "_sdpatch_original_processor") for m in layers(model).values())
 
 
+def test_a_copy_of_a_patched_model_unpatches_itself_alone(sd15):
+    """The patch is recorded in sdpatch's one undo mechanism, as data: a deep copy or a pickle of a
+    patched model carries it, and undoing the copy leaves the original patched."""
+    import copy
+    import pickle
+
+    from sdpatch import undo
+    from sdpatch.patch import PATCH
+
+    patch_unet(sd15, **SETTINGS)
+    assert all(undo.applied(m, PATCH) for m in layers(sd15).values())
+    for twin in (copy.deepcopy(sd15), pickle.loads(pickle.dumps(sd15))):
+        unpatch_unet(twin)
+        assert unpatched(twin) and not any(undo.applied(m, PATCH) for m in layers(twin).values())
+        assert served_by_sdpatch(sd15, "")
+    unpatch_unet(sd15)
+    assert unpatched(sd15) and not any("_sdpatch_undo" in vars(m) for m in sd15.modules())
+
+
 def test_patch_twice_does_not_stack(sd15):
     originals = {n: m.processor for n, m in layers(sd15).items()}
     patch_unet(sd15, backend="chunked")
