@@ -690,6 +690,26 @@ def test_weight_levers_lower_the_estimate_in_order(meta_pipes):
     assert 0.5 * unet < spec.footprints["unet"]["fp8"] < 0.6 * unet  # fp16 -> fp8, norms kept
 
 
+@pytest.mark.parametrize("offload", ["leaf_level", "block_level"])
+def test_the_offload_streams_pool_stays_reserved_after_denoising(meta_pipes, offload):
+    """Group offload's stream keeps its freed blocks in its own pool: the VAE decode after the
+    denoising steps cannot reuse them, so its reserved estimate holds them (as the denoising phase
+    reserved them); phases before, and a GPU-less run, do not."""
+    from sdpatch.planner.estimator import RESERVE_OVER_ACTIVATIONS
+
+    spec = flash_spec(meta_pipes["sd15"])
+    shape = RunShape(512, 512)
+    offloaded = Levers(text_encoder_offload=True, group_offload=offload)
+    # The same run, had the stream held nothing: outside the denoising steps the same weights are on the device.
+    empty = replace(spec, footprints={**spec.footprints, "unet": {**spec.footprints["unet"], offload: 0}})
+    pool = RESERVE_OVER_ACTIVATIONS[False] * spec.footprints["unet"][offload]
+    for phase, extra in (("text_encoding", 0), ("vae_decode", pool)):
+        a, b = (estimate(s, shape, offloaded, CUDA).phase(phase) for s in (spec, empty))
+        assert a.allocated == b.allocated and a.reserved - b.reserved == pytest.approx(extra, abs=1), phase
+        a, b = (estimate(s, shape, offloaded, DeviceState()).phase(phase) for s in (spec, empty))
+        assert a.reserved == b.reserved, phase
+
+
 @pytest.mark.parametrize("allow_fp8", [False, True], ids=["fp8-refused", "fp8-allowed"])
 def test_fp8_storage_only_with_allow_fp8(monkeypatch, meta_pipes, allow_fp8):
     """SDXL at 1024² in 4.5 GiB where group offload is unavailable: the UNet in fp8 fits beside
