@@ -20,7 +20,14 @@ from typer.core import TyperGroup
 from sdpatch import __version__
 from sdpatch.errors import InputError, RunError
 from sdpatch.progress import Progress
-from sdpatch.settings import CompareSettings, GenerationRequest, RunOptions, parse_backends, parse_sizes
+from sdpatch.settings import (
+    ATTENTION_BACKENDS,
+    CompareSettings,
+    GenerationRequest,
+    RunOptions,
+    parse_backends,
+    parse_sizes,
+)
 
 try:  # typer >= 0.26 vendors click; older typers use click itself
     from typer._click import exceptions as click_exceptions
@@ -79,7 +86,7 @@ BackendOpt = Annotated[
     typer.Option(
         "--backend",
         "-b",
-        help="Attention: auto (triton on CUDA where it can, else chunked), triton, chunked, sdpa, "
+        help=f"Attention: auto (sdpatch's pick per call; `sdpatch info` says which), {', '.join(ATTENTION_BACKENDS)}, "
         "or stock (leave the pipeline unpatched).",
     ),
 ]

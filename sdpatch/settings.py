@@ -99,7 +99,14 @@ class GenerationRequest:
 
 SIZE_STEP = 64  # --max-size searches square sizes in steps of 64 px
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
-COMPARE_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked", "auto")
+# sdpatch.attention's backends, each with the module beside its registry that holds its record
+# (``BACKEND``): the one table a new backend joins. It lives here, free of torch, so that the CLI
+# names and checks backends before importing torch; the registry builds its records from it.
+ATTENTION_BACKENDS = {"triton": "triton_backend", "chunked": "chunked", "sdpa": "sdpa"}
+# The comparison report's columns that are not sdpatch backends: diffusers as it is, and its own
+# attention processors (switched in sdpatch.compare.cells).
+COMPARE_PEERS = ("stock", "naive", "sliced", "xformers")
+COMPARE_BACKENDS = (*COMPARE_PEERS, *ATTENTION_BACKENDS, "auto")
 
 
 @dataclass(frozen=True)

@@ -702,14 +702,15 @@ def test_compare_shows_one_bar_over_its_cells_on_a_terminal(tmp_path, monkeypatc
         assert label in shown
 
 
-def test_the_torch_free_backend_lists_name_every_registered_backend():
-    """The CLI parses before importing torch, so compare's backend names and the --backend help are
-    written out; a backend added to the registry must appear in them too."""
-    from sdpatch.attention import REGISTRY
+def test_one_table_names_the_backends_for_the_registry_the_cli_and_compare():
+    """sdpatch.settings.ATTENTION_BACKENDS, free of torch, is what the registry builds its records
+    from, and what the --backend help, compare's names and its default columns list."""
+    from sdpatch.attention import BACKENDS, REGISTRY
     from sdpatch.cli import BackendOpt
     from sdpatch.compare.cells import DEFAULT_BACKENDS
-    from sdpatch.settings import COMPARE_BACKENDS
+    from sdpatch.settings import ATTENTION_BACKENDS, COMPARE_BACKENDS
 
+    assert tuple(REGISTRY) == tuple(ATTENTION_BACKENDS) and BACKENDS == ("auto", *ATTENTION_BACKENDS)
     help_text = BackendOpt.__metadata__[0].help
-    for name in REGISTRY:
+    for name in ATTENTION_BACKENDS:
         assert name in COMPARE_BACKENDS and name in DEFAULT_BACKENDS and name in help_text

@@ -2,21 +2,30 @@
 
 Every reader of the set of backends reads it here: :func:`sdpatch.attention` and :func:`explain`,
 ``BACKENDS`` and the CLI's choices, the comparison report's columns, the planner's memory estimates.
-A backend is a :class:`Backend` record; adding one is adding a record to :data:`REGISTRY` (and its
-module beside this one). ``auto`` takes the first record of :data:`AUTO_ORDER` that serves the call.
+A backend is a :class:`Backend` record, ``BACKEND`` in its module beside this one; adding one is that
+module and its row in :data:`sdpatch.settings.ATTENTION_BACKENDS`, the torch-free table of names the
+CLI reads too. ``auto`` takes the first record of :data:`AUTO_ORDER` that serves the call.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
+from ..settings import ATTENTION_BACKENDS
 from .base import Backend, BackendChoice, BackendUnavailableError, Call
 
 
 def _registry() -> dict[str, Backend]:
-    from . import chunked, sdpa, triton_backend
-
-    return {b.name: b for b in (triton_backend.BACKEND, chunked.BACKEND, sdpa.BACKEND)}
+    """The records of :data:`~sdpatch.settings.ATTENTION_BACKENDS`, in its order."""
+    records = {}
+    for name, module in ATTENTION_BACKENDS.items():
+        record = importlib.import_module(f".{module}", __package__).BACKEND
+        if record.name != name:
+            raise ImportError(f"sdpatch.attention.{module}.BACKEND is named {record.name!r}, its table row {name!r}")
+        records[name] = record
+    return records
 
 
 REGISTRY: dict[str, Backend] = _registry()

@@ -31,13 +31,13 @@ from sdpatch.memory import MemoryMeter, format_bytes, is_oom, weights_bytes
 from sdpatch.models import default_size, load_pipeline, resolve_device, resolve_dtype, resolve_model, tokenizer_note
 from sdpatch.planner import apply_plan, fit, remove_plan, single_lever
 from sdpatch.progress import Progress
-from sdpatch.settings import SIZE_STEP, CompareSettings, RunOptions
+from sdpatch.settings import ATTENTION_BACKENDS, COMPARE_PEERS, SIZE_STEP, CompareSettings, RunOptions
 
 logger = logging.getLogger(__name__)
 
 # What a run compares when no backends are named: each one that can run here. ``auto`` is left
 # out: it is triton or chunked, layer by layer.
-DEFAULT_BACKENDS = ("stock", "naive", "sliced", "xformers", "sdpa", "triton", "chunked")
+DEFAULT_BACKENDS = (*COMPARE_PEERS, *ATTENTION_BACKENDS)
 
 
 def backend_availability(device: torch.device) -> dict[str, tuple[bool, str]]:
