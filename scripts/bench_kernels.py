@@ -13,6 +13,9 @@ first-call latency of sdpatch (compile and autotune included), and kernel time a
 replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it),
 cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens a call's host work
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
+sdpatch's per-call figures are eager calls, on the forward variant the launch layer picks for them;
+its kernel time is that of the calls a CUDA graph holds (``sdpatch.kernels.forward.for_capture``):
+on Hopper below ``EAGER_GLUON_MIN_FLOP`` these are the Triton and the Gluon kernel respectively.
 On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
 the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
 
