@@ -242,8 +242,9 @@ def patch_unet(
             input shape, captured after a warm-up call (:func:`sdpatch.speed_up`; needs the model
             on CUDA and not offloaded, and inference). On a fast GPU, where the host bounds an
             eager step, this is what makes the pipeline faster than stock: on an H200 a step took
-            0.33-0.37x stock's with graphs, and 0.74-1.66x without (docs/benchmarks.md). Without it, graphs applied earlier stay, and
-            are dropped, since the processors they captured changed.
+            0.33-0.37x stock's with graphs, and 0.74-1.66x without (docs/benchmarks.md). Without
+            it, graphs applied earlier stay, and are dropped, since the processors they captured
+            changed.
 
     Returns:
         A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the
