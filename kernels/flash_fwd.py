@@ -223,11 +223,10 @@ def kv_operands(k: torch.Tensor, v: torch.Tensor, meta: dict, block_n: int = 16)
 
 
 def _kv_tile_rows(nargs: dict) -> None:
-    """Autotuner pre-hook: the descriptors' tiles follow the config's BLOCK_N."""
-    if nargs["KV_TMA"]:
-        for name in ("K", "V", "KB", "VB"):
-            if nargs[name] is not None:
-                nargs[name].block_shape[2] = nargs["BLOCK_N"]
+    """TMA configs' pre-hook: the descriptors' tiles follow the config's BLOCK_N."""
+    for name in ("K", "V", "KB", "VB"):
+        if nargs[name] is not None:
+            nargs[name].block_shape[2] = nargs["BLOCK_N"]
 
 
 # Forward tiles (BLOCK_M, BLOCK_N, warps, stages): every tile that won or came within 3 % at some SD
@@ -253,12 +252,6 @@ TMA_TILES = [
 ]
 
 
-def _configs():
-    """Autotune space for the GPU: both lists; :func:`_prune` keeps the few that can win for the
-    shape and load at hand, so a new shape compiles and times at most six."""
-    return tile_configs(list(dict.fromkeys(POINTER_TILES + TMA_TILES)), pre_hook=_kv_tile_rows)
-
-
 def _prune(configs, named_args, **kwargs):
     """Keep the tiles that can win for this shape (see :data:`POINTER_TILES`, :data:`TMA_TILES`):
     32-key blocks for short key sequences, 64-row blocks of 32 or 64 keys for one padded 256-wide
@@ -267,12 +260,9 @@ def _prune(configs, named_args, **kwargs):
     n_k = named_args["N_K"]
     tma = kwargs["KV_TMA"]
     wide = kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256
-    tiles = set(TMA_TILES if tma else POINTER_TILES)
 
     def keep(c):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if (bm, bn, c.num_warps, c.num_stages) not in tiles:
-            return False
         if wide and (bm != 64 or c.num_stages != 3):  # larger tiles spill or run out of shared memory
             return False
         if n_k <= 128:
@@ -285,13 +275,23 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if keep(c)] or configs[-1:]
 
 
-# Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
-_attn_fwd_tuned = triton.autotune(
-    configs=_configs(),
-    key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA"],
-    prune_configs_by={"early_config_prune": _prune},
-    **autotune_options(),
-)(_attn_fwd_kernel)
+def _tuned(configs: list[triton.Config]):
+    # Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
+    return triton.autotune(configs=configs, key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA"],
+                           prune_configs_by={"early_config_prune": _prune}, **autotune_options())(_attn_fwd_kernel)
+
+
+# One autotuner per way of loading K and V. Pointer-load configs carry no pre-hook, so that Triton
+# keeps their tuning on disk and a new process skips it: it cannot store a config with a pre-hook,
+# and re-tuned every shape in every process (1-3 s of an SD pipeline's first step on an H200). The
+# TMA configs need theirs: it sets the descriptors' tile rows to the config's BLOCK_N.
+_attn_fwd_tuned = _tuned(tile_configs(POINTER_TILES))
+_attn_fwd_tuned_tma = _tuned(tile_configs(TMA_TILES, pre_hook=_kv_tile_rows))
+
+
+def fwd_configs(kv_tma: bool) -> list[triton.Config]:
+    """The forward autotuner's candidates for one way of loading K and V, before pruning."""
+    return (_attn_fwd_tuned_tma if kv_tma else _attn_fwd_tuned).configs
 
 # The interpreter cannot autotune without a GPU driver: one fixed small config, which also
 # exercises the tail masking on small test shapes.
@@ -406,10 +406,11 @@ def fa2_attn_fwd(
         else:
             args = (q, *kv_operands(k, v, plan.meta), mask, out, lse, *scalars)  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
-            _attn_fwd_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
+            tuner = _attn_fwd_tuned_tma if plan.meta["KV_TMA"] else _attn_fwd_tuned
+            tuner[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
-            plan.config = {**config_kwargs(_attn_fwd_tuned.best_config), "EVEN_N": Nk % 128 == 0}
+            plan.config = {**config_kwargs(tuner.best_config), "EVEN_N": Nk % 128 == 0}
     return out, lse
 
 
-__all__ = ["fa2_attn_fwd", "fwd_args", "fwd_meta", "fwd_scalars", "kv_operands", "kv_tma_ok", "tuned_config"]
+__all__ = ["fa2_attn_fwd", "fwd_args", "fwd_configs", "fwd_meta", "fwd_scalars", "kv_operands", "kv_tma_ok", "tuned_config"]

@@ -29,8 +29,7 @@ from triton.runtime.errors import OutOfResources
 
 from sdpatch.kernels import flash_fwd_hopper
 from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, flash_attn_bwd
-from sdpatch.kernels.flash_fwd import _configs as fwd_configs
-from sdpatch.kernels.flash_fwd import fwd_meta, kv_tma_ok
+from sdpatch.kernels.flash_fwd import fwd_configs, fwd_meta, kv_tma_ok
 from sdpatch.kernels import forward
 from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.kernels.runtime import config_kwargs
@@ -89,7 +88,7 @@ def main(device: str = "cuda", backward_only: bool = False) -> int:
         scale = D**-0.5
         for tma in (False, True) if kv_tma_ok(k, v) and not backward_only else (False,):
             meta = fwd_meta(q, k, v, torch.empty_like(q), scale, mask, True, None, tma)
-            for c in fwd_prune(fwd_configs(), {"N_K": Nk}, **meta):  # what the autotuner may pick here
+            for c in fwd_prune(fwd_configs(tma), {"N_K": Nk}, **meta):  # what the autotuner may pick here
                 try:
                     out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True, config=config_kwargs(c), kv_tma=tma)
                 except OutOfResources:

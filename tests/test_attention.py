@@ -240,12 +240,22 @@ def test_kv_tma_needs_aligned_rows():
 )
 def test_forward_tile_pruning(n_k, da, db, tma, expect):
     """Each shape and load keeps only tiles from its own measured list, at most six of them."""
-    from sdpatch.kernels.flash_fwd import POINTER_TILES, TMA_TILES, _configs, _prune
+    from sdpatch.kernels.flash_fwd import POINTER_TILES, TMA_TILES, _prune, fwd_configs
 
-    kept = _prune(_configs(), {"N_K": n_k}, BLOCK_DA=da, BLOCK_DB=db, KV_TMA=tma)
+    kept = _prune(fwd_configs(tma), {"N_K": n_k}, BLOCK_DA=da, BLOCK_DB=db, KV_TMA=tma)
     assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept} == expect and len(kept) <= 6
     tiles = TMA_TILES if tma else POINTER_TILES
     assert all((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in tiles for c in kept)
+
+
+def test_pointer_load_tuning_can_be_kept_on_disk():
+    """Triton re-tunes an autotuner whose configs carry a pre-hook in every process (it cannot
+    store one). The pointer-load forward, which serves every SD shape below TMA_MIN_FLOP, has
+    none; the TMA configs need theirs (it sizes the descriptors' tiles)."""
+    from sdpatch.kernels.flash_fwd import fwd_configs
+
+    assert all(c.pre_hook is None for c in fwd_configs(False))
+    assert all(c.pre_hook is not None for c in fwd_configs(True))
 
 
 def test_head_dim_parts():

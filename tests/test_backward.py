@@ -152,9 +152,9 @@ def test_autotuned_tiles_divide_128():
     """On a layout's first call the launchers set EVEN_M / EVEN_N from the lengths modulo 128, before
     the autotuner has picked a tile: right only while every candidate tile divides 128."""
     from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs
-    from sdpatch.kernels.flash_fwd import _configs
+    from sdpatch.kernels.flash_fwd import fwd_configs
 
-    for c in _configs() + _dkdv_configs() + _dq_configs():
+    for c in fwd_configs(False) + fwd_configs(True) + _dkdv_configs() + _dq_configs():
         assert 128 % c.kwargs["BLOCK_M"] == 0 and 128 % c.kwargs["BLOCK_N"] == 0, c
 
 
