@@ -17,6 +17,10 @@ cache cleared, then CUDA events around ``torch.autograd.grad``), for sdpatch, cu
 events' GPU time, the host's time in ``autograd.grad``, and for sdpatch where that time goes (from
 the call to its Python backward, the backward itself, and back to the caller). A call whose host
 time outlasts its kernels is timed by the host: this shows which one a per-call figure measures.
+
+``--parts unet``: whole eager UNet calls (SD 1.5 512², SDXL 1024², batch 2, no grad), stock against
+sdpatch: the host's time to enqueue one, its wall time, its host-device synchronizations, and the
+top of a cProfile of each, to find what an eager denoising step spends beyond stock's.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ LAYER_CASES = [Case("layer hd40 4096", 2, 8, 4096, 4096, 40), Case("layer hd40 4
                Case("layer hd80 1024", 2, 8, 1024, 1024, 80), Case("layer hd160 256", 2, 8, 256, 256, 160),
                Case("layer hd160 1024", 2, 8, 1024, 1024, 160), Case("layer hd64 1024", 2, 20, 1024, 1024, 64),
                Case("layer hd64 1024x77", 2, 20, 1024, 77, 64), Case("layer hd64 4096", 2, 10, 4096, 4096, 64)]
+# Whole UNet calls, eager, no grad, batch 2 (preset, size): where a host-bound step's time goes.
+UNET_CASES = [("sd15", 512), ("sdxl", 1024)]
 ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
 
 
@@ -99,6 +105,57 @@ def layer_calls(c: Case, device: str) -> dict:
             flash_fwd_hopper.ENABLED = enabled
 
     return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only}
+
+
+def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
+    """One eager UNet call (no grad, batch 2), stock against sdpatch (``patch_unet``, no graphs): the
+    host's time to enqueue it from an idle GPU, its wall time to the end of its kernels, the number
+    of host-device synchronizations in it (``torch.cuda.set_sync_debug_mode``), and the alternating
+    (ABBA) median of 3 back-to-back calls. Prints the top of a cProfile of one call of each."""
+    import warnings
+
+    from sdpatch.models import build_preset
+
+    from _bench import alternating_median_ms, unet_inputs, use_variant
+
+    unet = build_preset(preset, device="cuda", dtype=torch.float16).unet
+    kw = unet_inputs(unet, 2, size, torch.float16)
+
+    def call():
+        with torch.no_grad():
+            return unet(**kw).sample
+
+    rows = []
+    for variant in ("stock", "auto"):
+        use_variant(unet, variant)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        host, wall = [], []
+        for _ in range(calls):
+            t = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t) * 1e3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                call()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        rows.append(dict(case=f"unet {preset} {size}", impl=variant, host_ms=statistics.median(host),
+                         wall_ms=statistics.median(wall), syncs=len(syncs), sync_kinds=sorted(set(syncs))[:5]))
+        print(rows[-1], flush=True)
+        print(f"unet {preset} {size} {variant}", profile_top(call, 3, lines=30), sep="\n", flush=True)
+    for variant, ms in alternating_median_ms(unet, ["stock", "auto"], call).items():
+        next(r for r in rows if r["impl"] == variant)["abba_ms"] = ms
+    use_variant(unet, "stock")
+    del unet
+    torch.cuda.empty_cache()
+    return rows
 
 
 class _Identity(torch.autograd.Function):
@@ -254,7 +311,7 @@ def backward_anatomy(c: Case, iters: int = 300, skip: int = 30) -> list[dict]:
     return rows
 
 
-PARTS = ("calls", "layers", "anatomy")
+PARTS = ("calls", "layers", "anatomy", "unet")
 
 
 def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None, cases: list[Case] = CASES,
@@ -308,9 +365,16 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
     for r in anatomy:
         parts_us = " / ".join(f"{r[k]:.0f}" for k in ("to_backward_us", "backward_us", "back_us")) if "backward_us" in r else "–"
         print(f"| {r['case']} | {r['impl']} | {r['gpu_us']:.0f} | {r['host_us']:.0f} ({r['host_p10_us']:.0f}–{r['host_p90_us']:.0f}) | {parts_us} |")
+    unets = [r for p, n in UNET_CASES for r in unet_anatomy(p, n)] if device == "cuda" and "unet" in parts_run else []
+    if unets:
+        print("\n| UNet call, eager | impl | host ms to enqueue | wall ms | ABBA median ms (3 calls) | syncs |")
+        print("|---|---|---|---|---|---|")
+    for r in unets:
+        print(f"| {r['case']} | {r['impl']} | {r['host_ms']:.1f} | {r['wall_ms']:.1f} | {r['abba_ms']:.1f} | {r['syncs']} {r['sync_kinds']} |")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"env": environment(), "rows": rows, "layers": layer_rows, "pieces": parts, "anatomy": anatomy}, f, indent=1)
+            json.dump({"env": environment(), "rows": rows, "layers": layer_rows, "pieces": parts, "anatomy": anatomy,
+                       "unet": unets}, f, indent=1)
     return rows
 
 

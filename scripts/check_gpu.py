@@ -76,8 +76,9 @@ CASES = [
 ]
 
 
-def check_correctness(only: list[str] | None = None) -> None:
-    cases = [c for c in CASES if not only or f"{c[2]}x{c[3]}-D{c[4]}" in only]
+def check_correctness(only: list[str] | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+    i, n = shard
+    cases = [c for c in CASES if not only or f"{c[2]}x{c[3]}-D{c[4]}" in only][i::n]
     if not cases:
         report(f"--only {','.join(only)}", False, "matches no case")
     for case in cases:
@@ -213,13 +214,14 @@ def check_large_grids() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated cases as NqxNk-Dd (e.g. 1025x77-D40): those alone, no memory checks")
+    ap.add_argument("--shard", default="0/1", help="I/N: every N-th case from the I-th, and every N-th of the other "
+                    "checks, so that N processes share the list (compiling the kernels is most of its time)")
     args = ap.parse_args()
+    shard = tuple(int(x) for x in args.shard.split("/"))
     torch.manual_seed(0)
-    check_correctness(args.only.split(",") if args.only else None)
+    check_correctness(args.only.split(",") if args.only else None, shard)
     if not args.only:
-        check_mixed_grids()
-        check_memory()
-        check_large_grids()
-        check_one_live_key()
+        for check in [check_mixed_grids, check_memory, check_large_grids, check_one_live_key][shard[0]::shard[1]]:
+            check()
     print(f"{len(failures)} failed: {failures}" if failures else "all GPU checks passed")
     sys.exit(1 if failures else 0)

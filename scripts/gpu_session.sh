@@ -5,6 +5,9 @@
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
 #   check graphs e2e sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
+# SHARE_GPU=1 runs every lane at once on GPU 0 (for steps that time nothing: check, sanitize), and
+# CHECK_SHARDS=N splits check_gpu.py's list over N processes, e.g.
+#   SHARE_GPU=1 CHECK_SHARDS=3 bash scripts/gpu_session.sh check sanitize sanitize=gluon
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps, host=PARTS --parts PARTS to bench_host.py (comma-separated case names or substrings;
 # e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
@@ -58,17 +61,25 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
   local t="timeout -k 5 $left"
   echo "=== $s (GPU ${CUDA_VISIBLE_DEVICES:-all}) $(date +%T)"
   case $s in
-    check) $t python3 "$REPO/scripts/check_gpu.py" ${only:+--only "$only"} > "$W/check_gpu.log" 2>&1 || rc=$? ;;
+    check)  # CHECK_SHARDS=N processes share the list (its time is mostly compiling, one CPU core each)
+      local n=${CHECK_SHARDS:-1} pids=() i
+      for (( i = 0; i < n; i++ )); do
+        $t python3 "$REPO/scripts/check_gpu.py" ${only:+--only "$only"} --shard "$i/$n" > "$W/check_gpu.$i.log" 2>&1 & pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      cat "$W"/check_gpu.*.log > "$W/check_gpu.log"; grep -h "failed\|passed" "$W"/check_gpu.*.log | tail -n "$n" ;;
     sanitize)  # memcheck and racecheck on the kernels at edge shapes; zero errors expected. A plain run
       # first fills Triton's kernel cache: compiling under the sanitizer took over 150 s and ran out of time.
-      # A plain run cut off here has only filled less of the cache: its 124 is no failure.
-      local args=; [ "$only" = bwd ] && args=--backward-only; [ "$only" = gluon ] && args=--gluon
-      timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
-      local n=2
-      for tool in memcheck racecheck; do  # the time the plain run left, shared between the two tools
-        local t_left=$(( END - $(date +%s) )); [ "$t_left" -lt "$left" ] || t_left=$left
-        timeout -k 5 $(( t_left / n-- )) compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize_$tool.log" 2>&1 || rc=$?
-      done ;;
+      # A plain run cut off here has only filled less of the cache: its 124 is no failure. Then the two
+      # tools at once, each with the time left.
+      local args= tag=; [ "$only" = bwd ] && args=--backward-only; [ "$only" = gluon ] && args=--gluon; tag=${only:+_$only}
+      timeout -k 5 $(( left * 2 / 5 )) python3 "$REPO/scripts/sanitize_kernels.py" $args > "$W/sanitize${tag}_plain.log" 2>&1 || [ $? -eq 124 ] || rc=1
+      local t_left=$(( END - $(date +%s) )) tools=(); [ "$t_left" -lt "$left" ] || t_left=$left
+      for tool in memcheck racecheck; do
+        timeout -k 5 "$t_left" compute-sanitizer --tool $tool --error-exitcode 3 python3 "$REPO/scripts/sanitize_kernels.py" $args \
+          > "$W/sanitize${tag}_$tool.log" 2>&1 & tools+=($!)
+      done
+      for p in "${tools[@]}"; do wait "$p" || rc=$?; done ;;
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
@@ -108,9 +119,9 @@ lane() {  # lane GPU STEPS...
 rc=0
 if [ "$#" -eq 1 ] && [ "$1" = multi ]; then
   step multi || rc=1
-elif [ "$ngpu" -ge "$#" ]; then
+elif [ "$ngpu" -ge "$#" ] || [ -n "${SHARE_GPU:-}" ]; then  # SHARE_GPU=1: every lane at once on GPU 0 (no timing steps)
   pids=(); i=0
-  for l in "$@"; do lane $i $l > "$W/lane$i.txt" 2>&1 & pids+=($!); i=$((i + 1)); done
+  for l in "$@"; do lane $(( ${SHARE_GPU:+0*}i )) $l > "$W/lane$i.txt" 2>&1 & pids+=($!); i=$((i + 1)); done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   cat "$W"/lane*.txt
 else
