@@ -7,7 +7,7 @@ A training step of SD 1.5 at 512² is host-bound on the lent H200s (the host tak
 small shapes the GPU waits on the host, and the wall time of a long run of calls without
 synchronizing is the host's time per call. For each case, forward alone (no gradient) and forward
 plus backward (inputs that require grad, as in training): best and median of 5 runs of ``ITERS``
-calls, then the top of a cProfile of sdpatch's forward plus backward, and the host time of each
+calls, sdpatch's and SDPA's runs alternating (ABBA, as the whole layers' runs do), then the top of a cProfile of sdpatch's forward plus backward, and the host time of each
 piece of sdpatch's call alone (allocation, launch plan, autograd node, backward; on CUDA the
 tuned forward launch through Triton's runner, through :class:`~sdpatch.kernels.runtime.Binary`,
 and with integer pointers), to show where its time goes.
@@ -219,17 +219,27 @@ def pieces(c: Case, device: str) -> dict:
 
 def host_us(fn, iters: int, device: str) -> list[float]:
     """us per call of 5 runs of ``iters`` unsynchronized calls, after a warm-up."""
+    return alternating_us({"fn": fn}, iters, device)["fn"]
+
+
+def alternating_us(fns: dict, iters: int, device: str, rounds: int = 5) -> dict[str, list[float]]:
+    """us per call of each of ``fns``, one figure per round of ``iters`` unsynchronized calls, after a
+    warm-up; the calls take turns, each round in the reverse order of the one before (ABBA), so that
+    a drift in the host's speed reaches each alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(min(iters, 20)):
-        fn()
-    sync()
-    runs = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
+    for fn in fns.values():
+        for _ in range(min(iters, 20)):
             fn()
-        runs.append((time.perf_counter() - t) / iters * 1e6)
-        sync()
+    sync()
+    runs, order = {name: [] for name in fns}, list(fns)
+    for _ in range(rounds):
+        for name in order:
+            t = time.perf_counter()
+            for _ in range(iters):
+                fns[name]()
+            runs[name].append((time.perf_counter() - t) / iters * 1e6)
+            sync()
+        order.reverse()
     return runs
 
 
@@ -319,8 +329,7 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
     rows, parts = [], []
     for c in cases if "calls" in parts_run else []:
         fns = calls(c, device)
-        for name, fn in fns.items():
-            runs = host_us(fn, iters, device)
+        for name, runs in alternating_us(fns, iters, device).items():
             rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
             print(f"{c.name:14s} {name:16s} host us/call: best {min(runs):6.0f}  median {statistics.median(runs):6.0f}", flush=True)
         print(profile_top(fns["sdpatch fwd+bwd"], iters), flush=True)
@@ -333,8 +342,7 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
             print(f"{c.name:14s}   {name:34s} host us/call: best {min(runs):6.1f}", flush=True)
     layer_rows = []
     for c in LAYER_CASES if device == "cuda" and "layers" in parts_run else []:
-        for name, fn in layer_calls(c, device).items():
-            runs = host_us(fn, iters, device)
+        for name, runs in alternating_us(layer_calls(c, device), iters, device).items():
             layer_rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
             print(f"{c.name:20s} {name:14s} us/call: best {min(runs):6.1f}  median {statistics.median(runs):6.1f}", flush=True)
     print(environment())
