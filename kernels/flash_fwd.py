@@ -293,6 +293,7 @@ def fwd_configs(kv_tma: bool) -> list[triton.Config]:
     """The forward autotuner's candidates for one way of loading K and V, before pruning."""
     return (_attn_fwd_tuned_tma if kv_tma else _attn_fwd_tuned).configs
 
+
 # The interpreter cannot autotune without a GPU driver: one fixed small config, which also
 # exercises the tail masking on small test shapes.
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
