@@ -41,6 +41,7 @@ from .runtime import (
     launch,
     launch_grid,
     on_device,
+    precompile,
     tile_configs,
     vector_align,
 )
@@ -511,11 +512,14 @@ def flash_attn_bwd(
     # This layout's first call: the autotuner picks the tiles. dQ first: it also computes delta,
     # which the dK/dV kernel reads. EVEN_N and EVEN_M depend on the tuned tiles; every candidate
     # BLOCK_N and BLOCK_M divides 128.
+    dq_call = (_dq_tuned, lambda META: launch_grid(Nq, BH, META["BLOCK_M"]),
+               (q, k, v, mask, do, out, dq, lse, delta, *dq_scalars), {**plan.meta, "EVEN_N": Nk % 128 == 0})
+    dkdv_call = (_dkdv_tuned, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
+                 (q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars), {**plan.meta, "EVEN_M": Nq % 128 == 0})
     with on_device(q):
-        _dq_tuned[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](
-            q, k, v, mask, do, out, dq, lse, delta, *dq_scalars, **plan.meta, EVEN_N=Nk % 128 == 0)
-        _dkdv_tuned[lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"])](
-            q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars, **plan.meta, EVEN_M=Nq % 128 == 0)
+        precompile(dq_call, dkdv_call)
+        for tuner, grid, args, meta in (dq_call, dkdv_call):
+            tuner[grid](*args, **meta)
         plan.configs = (config_kwargs(_dkdv_tuned.best_config), config_kwargs(_dq_tuned.best_config))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv

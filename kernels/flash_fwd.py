@@ -11,8 +11,6 @@ pointer loads. On Hopper, :mod:`.forward` sends unmasked self-attention to the G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -26,10 +24,11 @@ from .runtime import (
     launch,
     launch_grid,
     on_device,
+    precompile,
     tile_configs,
     vector_align,
 )
-from .shared import ADDITIVE_MASK, LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
+from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -408,7 +407,10 @@ def fa2_attn_fwd(
             args = (q, *kv_operands(k, v, plan.meta), mask, out, lse, *scalars)  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
             tuner = _attn_fwd_tuned_tma if plan.meta["KV_TMA"] else _attn_fwd_tuned
-            tuner[lambda META: launch_grid(Nq, BH, META["BLOCK_M"])](*args, **plan.meta, EVEN_N=Nk % 128 == 0)
+            grid, meta = (lambda META: launch_grid(Nq, BH, META["BLOCK_M"])), {**plan.meta, "EVEN_N": Nk % 128 == 0}
+            if not plan.meta["KV_TMA"]:
+                precompile((tuner, grid, args, meta))
+            tuner[grid](*args, **meta)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
             plan.config = {**config_kwargs(tuner.best_config), "EVEN_N": Nk % 128 == 0}
     return out, lse

@@ -1,15 +1,17 @@
 """The launch runtime every launcher shares: launch plans, direct launches of compiled binaries,
-grids, alignment hints, and the autotuner's options.
+grids, alignment hints, and the autotuner's options and parallel compiles.
 
 A launcher keeps a :class:`Plan` per input layout (:func:`cached_plan`): the constexprs, the tiles the
 autotuner picked, and the compiled binaries, so that a layout seen before costs its launch and
 little else on the host. :func:`launch` goes through Triton's JIT once per (layout, tiles) and
-straight to the compiled binary after (:class:`Binary`): no C++ is built on the user's machine.
+straight to the compiled binary after (:class:`Binary`): no C++ is built on the user's machine. A
+layout's first call compiles the autotuners' candidates on a few threads at once (:func:`precompile`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -26,7 +28,6 @@ MAX_GRID_Y = 65535  # CUDA's limit on grid dims y and z
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 
 def cdiv(a: int, b: int) -> int:
@@ -181,6 +182,43 @@ def cached_plan(plans: dict, key: tuple, make):
 def config_kwargs(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
+
+try:  # compiles submitted to an executor while the mode is on (triton 3.6 and 3.9 have it; a private module)
+    from triton.runtime._async_compile import AsyncCompileMode as _AsyncCompileMode
+except ImportError:
+    _AsyncCompileMode = None
+
+# Threads compiling a new layout's autotune candidates at once. Each compile holds a few hundred MiB
+# of host memory while it runs, so a handful, not one per core.
+COMPILE_THREADS = min(4, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sdpatch-compile")
+
+
+def precompile(*calls: tuple) -> None:
+    """Compile every candidate the autotuners will time for a layout's first call, on
+    :data:`COMPILE_THREADS` threads at once, before the autotuners time them one after another.
+
+    Each call is ``(tuner, grid, args, kwargs)`` as the tuner is about to be launched. Triton's
+    compiles release the GIL (on 2 CPU cores the six candidates of a (2, 2, 256, 40) forward compiled
+    for sm_90 in 2.5-3.2 s on two threads, 4.9-5.1 s one after another), and the autotuner then
+    finds each candidate in the kernel's cache. Best effort: where this Triton has no async compile mode, or anything here fails, the
+    autotuner compiles each candidate itself, as it would have. Not for configs with a pre-hook
+    (the TMA loads'): ``Autotuner.warmup`` does not run it, so it would compile other variants.
+    """
+    if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting():
+        return
+    try:
+        with _AsyncCompileMode(_compile_pool(), ignore_errors=True):
+            for tuner, grid, args, kwargs in calls:
+                tuner.warmup(*args, grid=grid, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the compiling to the autotuner
+        logger.debug("parallel precompile skipped (%s: %s)", type(e).__name__, e)
 
 
 def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:

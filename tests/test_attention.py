@@ -258,6 +258,56 @@ def test_pointer_load_tuning_can_be_kept_on_disk():
     assert all(c.pre_hook is not None for c in fwd_configs(True))
 
 
+# Compiles sdpatch's forward for sm_90 in a fresh interpreter, without TRITON_INTERPRET and without a
+# GPU: Triton's driver is replaced by a stand-in that names the target (nothing is launched).
+_PRECOMPILE_SCRIPT = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+class Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_current_stream(self, device=None):
+        return 0
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+triton.runtime.driver.set_active(Sm90())
+from sdpatch.kernels import flash_fwd, runtime
+
+q, k, v = (torch.empty(2, 256, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+out = torch.empty_like(q)
+meta = {**flash_fwd.fwd_meta(q, k, v, out, 0.2, None, False, None, False), "EVEN_N": True}
+args = flash_fwd.fwd_args(q, k, v, None, out, None, 0.2)
+candidates = flash_fwd._prune(flash_fwd.fwd_configs(False), {"N_K": 256}, **meta)
+runtime.precompile((flash_fwd._attn_fwd_tuned, lambda META: (1, 1, 1), args, meta))
+cache = flash_fwd._attn_fwd_kernel.device_caches[0][0]
+print(len(candidates), len(cache), runtime._AsyncCompileMode is not None)
+"""
+
+
+def test_precompile_leaves_every_candidate_compiled(tmp_path):
+    """A layout's first call compiles the autotuner's candidates at once (runtime.precompile), so
+    that the autotuner finds each in the kernel's cache: one cached kernel per pruned candidate."""
+    import subprocess
+    import sys
+
+    from sdpatch.kernels import runtime
+
+    if runtime._AsyncCompileMode is None or runtime.COMPILE_THREADS < 2:
+        pytest.skip("this Triton has no async compile mode, or the machine one core")
+    done = subprocess.run([sys.executable, "-c", _PRECOMPILE_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    candidates, cached, async_mode = done.stdout.split()
+    assert async_mode == "True" and int(candidates) > 1 and cached == candidates
+
+
 def test_head_dim_parts():
     from sdpatch.kernels.shared import head_dim_parts
 
