@@ -183,10 +183,8 @@ def config_kwargs(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-try:  # compiles submitted to an executor while the mode is on (triton 3.6 and 3.9 have it; a private module)
-    from triton.runtime._async_compile import AsyncCompileMode as _AsyncCompileMode
-except ImportError:
-    _AsyncCompileMode = None
+# Compiles submitted to an executor while the mode is on (triton 3.6 and 3.9 have it).
+_AsyncCompileMode = getattr(triton, "AsyncCompileMode", None)
 
 # Threads compiling a new layout's autotune candidates at once. Each compile holds a few hundred MiB
 # of host memory while it runs, so a handful, not one per core.
