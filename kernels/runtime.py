@@ -219,6 +219,30 @@ def precompile(*calls: tuple) -> None:
         logger.debug("parallel precompile skipped (%s: %s)", type(e).__name__, e)
 
 
+class CompileOnlyDriver:
+    """Triton's active driver as far as compiling needs one, for a machine without a GPU: a fixed
+    CUDA target (sm_90 by default), device 0, stream 0; nothing can be launched. Set it with
+    ``triton.runtime.driver.set_active(CompileOnlyDriver())`` before the first compile, with
+    ``TRITON_INTERPRET`` unset (``scripts/kernel_digest.py``, and the tests of :func:`precompile`)."""
+
+    def __init__(self, arch: int = 90, warp_size: int = 32):
+        self.arch, self.warp_size = arch, warp_size
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.arch, self.warp_size)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
 def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[triton.Config]:
     """Autotune configs from (BLOCK_M, BLOCK_N, warps, stages) tuples."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]

@@ -21,23 +21,6 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-
-
-class Sm90:
-    """Triton's active driver, as far as compiling needs one: an sm_90 target."""
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
 
 
 def code(ptx: str) -> str:
@@ -55,7 +38,9 @@ def code(ptx: str) -> str:
 
 
 def main() -> int:
-    triton.runtime.driver.set_active(Sm90())
+    from sdpatch.kernels.runtime import CompileOnlyDriver
+
+    triton.runtime.driver.set_active(CompileOnlyDriver())
     from sdpatch.kernels import flash_bwd, flash_fwd, flash_fwd_hopper
 
     digests: dict[str, str] = {}

@@ -265,19 +265,9 @@ import os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
 import torch, triton
-from triton.backends.compiler import GPUTarget
+from sdpatch.kernels.runtime import CompileOnlyDriver
 
-class Sm90:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-    def get_current_device(self):
-        return 0
-    def get_current_stream(self, device=None):
-        return 0
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-triton.runtime.driver.set_active(Sm90())
+triton.runtime.driver.set_active(CompileOnlyDriver())
 from sdpatch.kernels import flash_fwd, runtime
 
 q, k, v = (torch.empty(2, 256, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
