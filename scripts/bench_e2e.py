@@ -174,15 +174,17 @@ def main() -> int:
 
 
 def best_runs(rows: list[dict]) -> list[dict]:
-    """One row per (preset, size, config): its first run's figures, with the best run's s/it and
-    every run's in ``runs_s_per_it``."""
+    """One row per (preset, size, config): its first working run's figures, with the best run's s/it
+    and every run's in ``runs_s_per_it``, and how many runs failed (``failed_runs``)."""
     found: dict[tuple, dict] = {}
     for row in rows:
         key = (row["preset"], row["size"], row["config"])
-        if key not in found:
-            found[key] = dict(row, runs_s_per_it=[])
+        if key not in found or ("error" in found[key] and "error" not in row):  # the first run that worked
+            earlier = found.get(key, {})
+            found[key] = dict(row, runs_s_per_it=earlier.get("runs_s_per_it", []), failed_runs=earlier.get("failed_runs", 0))
         if row.get("s_per_it"):
             found[key]["runs_s_per_it"].append(row["s_per_it"])
+        found[key]["failed_runs"] += "error" in row
     for row in found.values():
         row["s_per_it"] = min(row["runs_s_per_it"], default=None)
     return list(found.values())
@@ -206,7 +208,7 @@ def print_table(rows: list[dict]) -> None:
         gib = lambda b: f"{b / 2**30:.2f}" if b else "–"  # noqa: E731
         pool = f"{row['graph_pool'] / 2**20:.0f}" if row.get("graph_pool") else "–"
         p = row.get("psnr_vs_stock_db")
-        runs = ", ".join(f"{x:.4f}" for x in row["runs_s_per_it"])
+        runs = ", ".join(f"{x:.4f}" for x in row["runs_s_per_it"]) + (f" ({row['failed_runs']} failed)" if row["failed_runs"] else "")
         print(f"| {row['preset']} {row['size']}² | {row['config']} | {row['s_per_it']:.4f} | {ratio('s_per_it')} | {runs} | "
               f"{row['first_step_s']:.2f} | {row['image_s']:.2f} | {gib(row['peak_allocated'])} | "
               f"{gib(row['peak_reserved'])} | {ratio('peak_reserved')} | {pool} | "
