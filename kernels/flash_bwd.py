@@ -1,26 +1,18 @@
 """FlashAttention-2-style backward kernels: dQ, dK, dV by recomputing scores block by block.
 
-Only O and the base-2 log-sum-exp from the forward pass are kept. Two schemes:
+Only O and the base-2 log-sum-exp from the forward pass are kept. Two launches (three with few keys):
 
-- **One pass** (the default on CUDA from :data:`ONE_PASS_MIN_KEYS` keys: self-attention), three
-  launches: ``_bwd_dq_start`` computes delta = rowsum(dO * O) and zeroes an fp32 dQ workspace;
-  ``_bwd_dkdv_kernel`` with ``ATOMIC_DQ``, one program per key block, loops over the query blocks,
-  accumulates dK and dV, and adds its share of dQ into the workspace in fp32 atomics;
-  ``_bwd_dq_finish`` scales and casts dQ. The scores and probabilities are computed once: five
-  matrix products per block pair, and one exp2 per score.
-- **Two passes** (cross-attention, and whenever ``torch.use_deterministic_algorithms`` is on), two
-  launches (three with few keys): ``_bwd_dq_kernel``, one program per query block, computes delta
-  for its rows (stored for the next launch), then loops over the key blocks and accumulates dQ;
-  ``_bwd_dkdv_kernel``, one program per key block, loops over the query blocks and accumulates dK
-  and dV. With few keys (77 text tokens) several programs share a key block's query blocks and write
-  fp32 partial sums, which ``_bwd_sum_splits`` adds, in a fixed order: results are deterministic.
-  The scores are recomputed in both kernels: seven products per block pair, two exp2 per score.
-  At 77 keys a key block's loop over the queries is long and its programs few, and the dQ kernel
-  needs no atomics.
+1. ``_bwd_dq_kernel``: one program per query block; computes delta = rowsum(dO * O) for its rows
+   (stored for step 2), then loops over key blocks and accumulates dQ.
+2. ``_bwd_dkdv_kernel``: one program per key block; loops over query blocks, accumulates dK, dV.
+   With few keys (77 text tokens) several programs share a key block's query blocks and write fp32
+   partial sums, which ``_bwd_sum_splits`` adds.
 
 Each launch costs the host as much as a whole kernel at 77 keys: a separate delta kernel and four
-PyTorch ops adding the partial sums made 7 launches there; now there are 3. The head dim is tiled
-as in the forward kernel (one padded tile, or two parts).
+PyTorch ops adding the partial sums made 7 launches there; now there are 3.
+
+Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
+deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
 
 A row with one live key (one key in all, or every other masked) has dS = 0, so dQ = 0 and no share
 of dK, exactly, in PyTorch. Here dS = P * (dP - delta), and delta = rowsum(dO * O) sums the same
@@ -88,7 +80,6 @@ def _one_live_key(p, valid, AXIS: tl.constexpr):
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, Mask, DO, DK, DV, Lse, Delta,
-    DQ,  # ATOMIC_DQ: the fp32 dQ sums, contiguous (B, H, N_Q, HEAD_DIM), zeroed; else unused
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -113,8 +104,6 @@ def _bwd_dkdv_kernel(
     FOLD_SCALE: tl.constexpr,  # scale > 0 and no additive mask: the scale joins exp2's FMA
     ONE_KEY_BLOCK: tl.constexpr,  # N_K <= ONE_BLOCK_KEYS: a row's keys are all in one block
     EVEN_M: tl.constexpr,  # N_Q % BLOCK_M == 0: no query-tail masking
-    EVEN_N: tl.constexpr,  # N_K % BLOCK_N == 0: no key-tail masking (read with ATOMIC_DQ only)
-    ATOMIC_DQ: tl.constexpr,  # also add this key block's share of dQ into DQ, in fp32 atomics
 ):
     # Grid dim 0 is key block x query split: with few keys (77 text tokens are 2 blocks a head),
     # one program per key block leaves most of the GPU idle, so the query loop is shared out.
@@ -143,8 +132,6 @@ def _bwd_dkdv_kernel(
     if MASK_KIND != 0:
         maskT_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + first_rows[None, :] * stride_mm + cols[:, None] * stride_mn
     row_base = pid_bh.to(tl.int64) * N_Q
-    if ATOMIC_DQ:
-        dq_rows = DQ + (row_base + first_rows) * HEAD_DIM
 
     offs_da = tl.arange(0, BLOCK_DA)
     da_valid = offs_da < HEAD_DIM
@@ -182,8 +169,6 @@ def _bwd_dkdv_kernel(
         # hold, reach only its own rows of dK and dV, which are never stored.
         if MASK_KIND != 0:
             sT = masked_scores(sT, maskT_ptrs, n_valid[:, None] & m_valid[None, :], MASK_KIND)
-        elif ATOMIC_DQ and not EVEN_N:  # dQ reads every row of dS^T: exp2(0 - lse) may overflow, 0 * inf
-            sT = tl.where(n_valid[:, None], sT, float("-inf"))
         if FOLD_SCALE:  # -inf stays -inf: the scale is positive
             pT = tl.math.exp2(sT * qk_scale - lse[None, :])
         else:
@@ -206,14 +191,6 @@ def _bwd_dkdv_kernel(
         dka = tl.dot(dsT, tl.trans(qTa), dka, input_precision=DOT_PRECISION)
         if BLOCK_DB > 0:
             dkb = tl.dot(dsT, tl.trans(qTb), dkb, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:  # dQ += dS K for this key block; the sums' order is not fixed
-            ds = tl.trans(dsT)
-            tl.atomic_add(dq_rows[:, None] + offs_da[None, :], tl.dot(ds, ka, input_precision=DOT_PRECISION),
-                          mask=m_valid[:, None] & da_valid[None, :], sem="relaxed")
-            if BLOCK_DB > 0:
-                tl.atomic_add(dq_rows[:, None] + offs_db[None, :], tl.dot(ds, kb, input_precision=DOT_PRECISION),
-                              mask=m_valid[:, None] & db_valid[None, :], sem="relaxed")
-            dq_rows += BLOCK_M * HEAD_DIM
 
         q_cols += BLOCK_M * stride_qm
         do_rows += BLOCK_M * stride_dom
@@ -344,56 +321,6 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dq_start(
-    Out, DO, Delta, DQ,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H, BH, N_Q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Before the one-pass backward: delta = rowsum(dO * O), and DQ's fp32 sums zeroed."""
-    pid_bh, off_b, off_h = batch_head(H)
-    if pid_bh >= BH:
-        return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)
-    valid = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o = tl.load(Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
-                mask=valid, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=valid, other=0.0)
-    row = pid_bh.to(tl.int64) * N_Q + rows
-    tl.store(Delta + row, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < N_Q)
-    tl.store(DQ + row[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=valid)
-
-
-@triton.jit
-def _bwd_dq_finish(
-    DQ, DQOut,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, BH, N_Q,
-    sm_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """After the one-pass backward: dQ = sm_scale * its fp32 sums, in dQ's dtype and layout."""
-    pid_bh, off_b, off_h = batch_head(H)
-    if pid_bh >= BH:
-        return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_m.to(tl.int64)
-    valid = (offs_m < N_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    dq = tl.load(DQ + (pid_bh.to(tl.int64) * N_Q + rows)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid, other=0.0)
-    tl.store(DQOut + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             (dq * sm_scale).to(DQOut.dtype.element_ty), mask=valid)
-
-
-@triton.jit
 def _bwd_sum_splits(
     DKP, DVP, DK, DV,
     stride_pb, stride_ph, stride_pn,  # the fp32 partial sums: each split a contiguous (B, H, N_K, D)
@@ -438,13 +365,6 @@ def _dq_configs():
     return tile_configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2)])
 
 
-def _one_pass_configs():
-    """The one-pass kernel's tiles (BLOCK_N keys per program, BLOCK_M queries per step). Wide key
-    blocks add into dQ fewer times (N_K / BLOCK_N adds per element); at 128 keys, eight warps hold
-    the dK and dV sums."""
-    return tile_configs([(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2)])
-
-
 def _prune(configs, named_args, **kwargs):
     """A padded 256-wide head keeps tiles of at most 64 x 64: five such tiles live at once."""
     if kwargs["BLOCK_DA"] + kwargs["BLOCK_DB"] >= 256:
@@ -453,20 +373,17 @@ def _prune(configs, named_args, **kwargs):
     return configs
 
 
-# Autotune key: sequence lengths, head dim and its tiling. The two-pass kernels overwrite their
-# outputs whole, so benchmarking a config leaves nothing stale behind; the one-pass kernel adds into
-# DQ, which its tuner zeroes before each run and before the launch it keeps.
+# Autotune key: sequence lengths, head dim and its tiling. Each kernel overwrites its outputs
+# whole, so benchmarking a config leaves nothing stale behind.
 _KEY = ["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND"]
 
 
-def _tuned(kernel, configs, **options):
-    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune}, **options,
-                           **autotune_options())(kernel)
+def _tuned(kernel, configs):
+    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune}, **autotune_options())(kernel)
 
 
 _dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
 _dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
-_one_pass_tuned = _tuned(_bwd_dkdv_kernel, _one_pass_configs(), reset_to_zero=["DQ"])
 
 
 def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
@@ -479,20 +396,9 @@ def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> i
     return max(1, min(cdiv(n_q, 128), 2 * sm_count(device) // programs))
 
 
-ONE_PASS_MIN_KEYS = 256  # keys from which the one-pass backward serves (docs/benchmarks.md, backward leads)
-
-
-def default_atomic_dq(n_k: int, device: torch.device) -> bool:
-    """Whether the backward takes one pass, adding dQ in fp32 atomics, over two that recompute the
-    scores twice. One pass where there are key blocks enough to share the adds out (self-attention),
-    on CUDA, unless PyTorch is asked for deterministic algorithms: atomics add in no fixed order."""
-    return device.type == "cuda" and n_k >= ONE_PASS_MIN_KEYS and not torch.are_deterministic_algorithms_enabled()
-
-
 _INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 ONE_BLOCK_KEYS = 16  # keys that one block of every tile holds (every BLOCK_N is at least this)
 _SUM_BLOCK_N = 32  # key rows per program of the partial-sum kernel: memory-bound, a few us
-_ROW_BLOCK = 32  # query rows per program of the one-pass backward's start and finish kernels: memory-bound
 
 
 @dataclass(slots=True)
@@ -500,12 +406,11 @@ class _BwdPlan:
     """What the backward launches of one input layout need besides the tensors: found once."""
 
     meta: dict
-    block_d: int  # the row-wise kernels' padded head dim
+    block_d: int  # the partial-sum kernel's padded head dim
     splits: int
-    atomic_dq: bool  # one pass: start, dK/dV with dQ added in atomics, finish (else dQ, then dK/dV)
-    configs: tuple[dict, dict | None] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
+    configs: tuple[dict, dict] | None = None  # (dK/dV, dQ) tiles, once the autotuner has picked them
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
-    tuned: tuple | None = None  # each launch's (grid, scalars, constexprs, binary key) with the tuned tiles
+    tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
     sums: tuple | None = None  # the partial-sum kernel's (grid, scalars, constexprs), with query splits
 
 
@@ -515,7 +420,7 @@ class _BwdPlan:
 _bwd_plans: dict[tuple, _BwdPlan] = {}
 
 
-def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits, atomic_dq) -> _BwdPlan:
+def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits) -> _BwdPlan:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert do.shape == q.shape, f"dO {tuple(do.shape)} must match q {tuple(q.shape)}"
@@ -528,7 +433,7 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
     configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG) if interpreting() else None
     meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
-    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, atomic_dq, configs)
+    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs)
 
 
 def dkdv_grid(n_k: int, bh: int, splits: int, block_n: int) -> tuple[int, int, int]:
@@ -551,20 +456,6 @@ def _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits) -> t
     return (*common, *out.stride(), *dq.stride(), *dims, *scales), (*common, *dkdv_strides, *dims, splits, *scales)
 
 
-def _row_launches(plan: _BwdPlan, out, do, dq, scale) -> tuple[tuple, tuple]:
-    """The one-pass backward's start and finish launches: (grid, scalars, constexprs, binary key) each."""
-    B, H, Nq, D = dq.shape
-    grid, consts = launch_grid(Nq, B * H, _ROW_BLOCK), dict(HEAD_DIM=D, BLOCK_M=_ROW_BLOCK, BLOCK_D=plan.block_d)
-    return ((grid, (*out.stride(), *do.stride(), H, B * H, Nq), consts, "start"),
-            (grid, (*dq.stride(), H, B * H, Nq, scale), consts, "finish"))
-
-
-def _dkdv_consts(plan: _BwdPlan, n_q: int, n_k: int, config: dict) -> dict:
-    """The dK/dV kernel's constexprs with ``config``'s tiles (every candidate tile divides 128)."""
-    return {**plan.meta, "EVEN_M": n_q % config.get("BLOCK_M", 128) == 0, "EVEN_N": n_k % config.get("BLOCK_N", 128) == 0,
-            "ATOMIC_DQ": plan.atomic_dq, **config}
-
-
 def flash_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -577,77 +468,59 @@ def flash_attn_bwd(
     config: dict | tuple[dict, dict] | None = None,
     split_head_dim: bool | None = None,
     query_splits: int | None = None,
-    atomic_dq: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention with respect to q, k and v.
 
     do, q, out: (B, H, Nq, D); k, v: (B, H, Nk, D), any strides; lse: fp32 (B, H, Nq) base-2
     log-sum-exp from :func:`flash_attn_fwd`; mask as given to the forward (4-D, broadcastable).
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning: one
-    dict for both kernels, or a (dK/dV kernel, dQ kernel) pair (one pass uses the first alone).
+    dict for both kernels, or a (dK/dV kernel, dQ kernel) pair.
     split_head_dim: tile the head dim as two power-of-two parts, as the forward does (80 = 64 + 16,
     160 = 128 + 32); None decides by head dim, layout and mask, by the forward's rule.
     query_splits: dK/dV programs per key block, each over a share of the queries, their fp32 partial
     sums added afterwards; None decides by the GPU's size (see :func:`default_query_splits`).
-    atomic_dq: one pass over the scores, dQ added in fp32 atomics (an fp32 (B, H, Nq, D) workspace,
-    sums in no fixed order), or two passes, deterministic; None decides (see :func:`default_atomic_dq`).
     Returns (dq, dk, dv) in the inputs' dtype and layouts.
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     assert out.shape == q.shape, f"O {tuple(out.shape)} must match q {tuple(q.shape)}"
     assert lse.shape == (B, H, Nq) and lse.dtype == torch.float32 and lse.is_contiguous(), "lse must be contiguous fp32 (B, H, Nq)"
-    atomic_dq = default_atomic_dq(Nk, q.device) if atomic_dq is None else atomic_dq
     key = (plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
-           do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits, atomic_dq)
+           do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     plan = _bwd_plans.get(key)
     if config is None and plan is not None and plan.tuned:  # the common case: a layout seen before
         return _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
-    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim,
-                                                          query_splits, atomic_dq))
+    plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
     BH, splits = B * H, plan.splits
     delta, (dk_out, dv_out) = _delta(q), _dkdv_targets(dk, dv, splits)
-    dq_sums = _dq_sums(q) if plan.atomic_dq else None
-    buffers = (dq, dk, dv, delta, dk_out, dv_out, dq_sums)
     dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
-    start, finish = _row_launches(plan, out, do, dq, scale)
     config = config or plan.configs
     if config is not None:
         dkdv_config, dq_config = (config, config) if isinstance(config, dict) else config
-        dkdv = (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars, _dkdv_consts(plan, Nq, Nk, dkdv_config),
-                ("dkdv", *dkdv_config.items()))
-        if plan.atomic_dq:
-            tuned = (start, dkdv, finish)
-        else:
-            tuned = ((launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
-                      {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())), dkdv)
+        tuned = (
+            (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
+             {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())),
+            (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
+             {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config}, ("dkdv", *dkdv_config.items())),
+        )
         if config is plan.configs:  # later calls of this layout reuse the whole launch
             plan.tuned = tuned
-        return _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, buffers)
+        return _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, (dq, dk, dv, delta, dk_out, dv_out))
 
-    # This layout's first call: the autotuner picks the tiles. Two passes: dQ first, as it also
-    # computes delta, which the dK/dV kernel reads; one pass: start (delta, zeroed sums), then the
-    # tuned kernel. EVEN_N and EVEN_M depend on the tuned tiles; every candidate divides 128.
-    dkdv_args = (q, k, v, mask, do, dk_out, dv_out, lse, delta, dq_sums, *dkdv_scalars)
-    dkdv_call = (_one_pass_tuned if plan.atomic_dq else _dkdv_tuned, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
-                 dkdv_args, _dkdv_consts(plan, Nq, Nk, {}))
-    calls = [dkdv_call]
-    if not plan.atomic_dq:
-        calls.insert(0, (_dq_tuned, lambda META: launch_grid(Nq, BH, META["BLOCK_M"]),
-                         (q, k, v, mask, do, out, dq, lse, delta, *dq_scalars), {**plan.meta, "EVEN_N": Nk % 128 == 0}))
+    # This layout's first call: the autotuner picks the tiles. dQ first: it also computes delta,
+    # which the dK/dV kernel reads. EVEN_N and EVEN_M depend on the tuned tiles; every candidate
+    # BLOCK_N and BLOCK_M divides 128.
+    dq_call = (_dq_tuned, lambda META: launch_grid(Nq, BH, META["BLOCK_M"]),
+               (q, k, v, mask, do, out, dq, lse, delta, *dq_scalars), {**plan.meta, "EVEN_N": Nk % 128 == 0})
+    dkdv_call = (_dkdv_tuned, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
+                 (q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars), {**plan.meta, "EVEN_M": Nq % 128 == 0})
     with on_device(q):
-        precompile(*calls)
-        if plan.atomic_dq:
-            _launch_row(plan, start, (out, do, delta, dq_sums))
-        for tuner, grid, args, meta in calls:
+        precompile(dq_call, dkdv_call)
+        for tuner, grid, args, meta in (dq_call, dkdv_call):
             tuner[grid](*args, **meta)
-        if plan.atomic_dq:
-            _launch_row(plan, finish, (dq_sums, dq))
-            plan.configs = (config_kwargs(_one_pass_tuned.best_config), None)
-        else:
-            plan.configs = (config_kwargs(_dkdv_tuned.best_config), config_kwargs(_dq_tuned.best_config))
+        plan.configs = (config_kwargs(_dkdv_tuned.best_config), config_kwargs(_dq_tuned.best_config))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 
@@ -655,11 +528,6 @@ def flash_attn_bwd(
 def _delta(q: torch.Tensor) -> torch.Tensor:
     """delta's buffer: rowsum(dO * O), fp32 (B, H, Nq), written by the dQ kernel, read by dK/dV's."""
     return torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-
-
-def _dq_sums(q: torch.Tensor) -> torch.Tensor:
-    """One pass's workspace: dQ's fp32 sums, contiguous (B, H, Nq, D), zeroed by the start kernel."""
-    return torch.empty(q.shape, device=q.device, dtype=torch.float32)
 
 
 def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -671,39 +539,26 @@ def _dkdv_targets(dk: torch.Tensor, dv: torch.Tensor, splits: int) -> tuple[torc
     return torch.empty((2, splits, *dk.shape), device=dk.device, dtype=torch.float32).unbind()
 
 
-def _launch_row(plan: _BwdPlan, spec: tuple, tensors: tuple) -> None:
-    """One of the one-pass backward's row-wise launches: ``spec`` from :func:`_row_launches`."""
-    grid, scalars, consts, key = spec
-    launch(_bwd_dq_start if key == "start" else _bwd_dq_finish, grid, (*tensors, *scalars), consts, plan.binaries, key)
-
-
 def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buffers: tuple | None = None):
-    """The backward's launches with tiles already chosen (``tuned``: each launch's grid, scalars,
-    constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, the dK/dV kernel's targets and
-    one pass's dQ sums) or new ones.
+    """The backward's launches with tiles already chosen (``tuned``: each kernel's grid, scalars,
+    constexprs and binary key), into ``buffers`` (dq, dk, dv, delta, and the dK/dV kernel's
+    targets) or new ones.
 
-    New dK and dV buffers are allocated after the first launch, so that the host's work overlaps
-    that kernel instead of delaying it. Every gradient buffer is alive during the dK/dV kernel
-    either way: the training step's peaks stayed the same to the MiB. Per call, the gain was within
-    the lent hosts' drift.
+    New dK and dV buffers are allocated after the dQ kernel's launch, so that the host's work
+    overlaps that kernel instead of delaying it. Every gradient buffer is alive during the dK/dV
+    kernel either way: the training step's peaks stayed the same to the MiB. Per call, the gain was
+    within the lent hosts' drift.
     """
-    if buffers is None:
-        buffers = (torch.empty_like(q), None, None, _delta(q), None, None, _dq_sums(q) if plan.atomic_dq else None)
-    dq, dk, dv, delta, dk_out, dv_out, dq_sums = buffers
-    first, (kv_grid, kv_scalars, kv_consts, kv_key), *finish = tuned
+    (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
+    dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)
     with on_device(q):
-        if plan.atomic_dq:
-            _launch_row(plan, first, (out, do, delta, dq_sums))
-        else:  # the kernels take the mask's base pointer; its (broadcast) strides are in the scalars
-            grid, scalars, consts, key = first
-            launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
+        # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
+        launch(_bwd_dq_kernel, grid, (q, k, v, mask, do, out, dq, lse, delta, *scalars), consts, plan.binaries, key)
         if dk is None:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             dk_out, dv_out = _dkdv_targets(dk, dv, plan.splits)
-        launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, dq_sums, *kv_scalars), kv_consts,
+        launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
                plan.binaries, kv_key)
-        if plan.atomic_dq:
-            _launch_row(plan, finish[0], (dq_sums, dq))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 

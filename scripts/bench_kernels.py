@@ -10,9 +10,8 @@ PyTorch SDPA pinned to cuDNN, flash and efficient, and naive matmul + softmax wh
 It reports TFLOP/s (4·B·H·Nq·Nk·D forward, 2.5× that backward, with the true D), the ratio to
 cuDNN, the relative error of sdpatch against a float64 reference, the extra peak memory, the
 first-call latency of sdpatch (compile and autotune included), and kernel time alone, by CUDA-graph
-replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it;
-and in the backward, where one pass with dQ added in atomics is the default, the deterministic two
-passes too, as launcher calls), cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens a call's host work
+replay, for sdpatch's kernels (with K and V through TMA too, where the default does not take it),
+cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens a call's host work
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 sdpatch's per-call figures are eager calls, on the forward variant the launch layer picks for them;
 its kernel time is that of the calls a CUDA graph holds (``sdpatch.kernels.forward.for_capture``):
@@ -44,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, _one_pass_tuned, default_atomic_dq, flash_attn_bwd
+from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import kv_tma_ok, tuned_config
 from sdpatch.kernels import forward
 from sdpatch.kernels.forward import flash_attn_fwd
@@ -320,8 +319,7 @@ def run_case(c: Case, rounds: int) -> Row:
 
         first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
-        one_pass = default_atomic_dq(c.Nk, q.device)
-        row.tuned_config = str([config_kwargs(t.best_config) for t in ((_one_pass_tuned,) if one_pass else (_dkdv_tuned, _dq_tuned))])
+        row.tuned_config = str([config_kwargs(t.best_config) for t in (_dkdv_tuned, _dq_tuned)])
         row.first_call_s = time.perf_counter() - t0
         for name in impls:
             if graphs[name] is None:
@@ -332,11 +330,6 @@ def run_case(c: Case, rounds: int) -> Row:
         qd, kd, vd = (t.detach() for t in (q, k, v))
         out_f, lse = flash_attn_fwd(qd, kd, vd, scale, return_lse=True)
         measure_graph(row, "sdpatch", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
-        if one_pass:  # the deterministic two-pass kernels the one pass replaces, as a launcher call
-            def two_pass():
-                return flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale, atomic_dq=False)
-            measure(row, "two pass", two_pass, flops, 3 * out_bytes)
-            measure_graph(row, "two pass", two_pass, flops)
         for name in ("cudnn", "flash"):
             if graphs[name] is None:
                 continue
@@ -396,8 +389,8 @@ def err_cell(x: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "two pass", "cudnn", "flash", "efficient", "naive", "fa4"]
-    graphed = ("sdpatch", "kv_tma", "two pass", "cudnn", "flash", "fa4")
+    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive", "fa4"]
+    graphed = ("sdpatch", "kv_tma", "cudnn", "flash", "fa4")
     head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | ×fa4 | graph: " + " / ".join(graphed)
             + " | graph ×fa4 | rel err (sdpatch / fa4) | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
     lines = [head, "|" + "---|" * (len(impls) + 11)]

@@ -88,11 +88,7 @@ def main() -> int:
                     lse = torch.empty(q.shape[:3], dtype=torch.float32)
                     current[:] = [f"bwd D{D} {Nq}x{Nk} {mname} splits{splits}"]
                     flash_bwd.flash_attn_bwd(torch.empty_like(q), q, k, v, out, lse, 0.2, mask,
-                                             config=(tiles[1], tiles[0]), query_splits=splits, atomic_dq=False)
-                    if Nk >= flash_bwd.ONE_PASS_MIN_KEYS:
-                        current[:] = [f"bwd one-pass D{D} {Nq}x{Nk} {mname} splits{splits}"]
-                        flash_bwd.flash_attn_bwd(torch.empty_like(q), q, k, v, out, lse, 0.2, mask,
-                                                 config=tiles[1], query_splits=splits, atomic_dq=True)
+                                             config=(tiles[1], tiles[0]), query_splits=splits)
     if flash_fwd_hopper.gluon is not None:
         for D, n, sms in ((40, 256, 0), (64, 256, 0), (80, 256, 0), (160, 256, 0), (64, 1024, 5), (40, 1000, 10),
                           (64, 1000, 14)):

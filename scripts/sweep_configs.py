@@ -6,8 +6,7 @@
   parts where they differ, and with K and V tiles loaded through pointers or TMA descriptors.
 - Backward: each dK/dV config with the dQ kernel's config fixed, then each dQ config with the
   dK/dV one fixed (the fixed kernel adds the same time to every row, so the ranking holds), in
-  both head-dim tilings where the launcher would split; and at self-attention lengths each config
-  of the one-pass kernel (dK/dV with dQ added in atomics), whose rows are whole backward calls.
+  both head-dim tilings where the launcher would split.
 - Kernel time only: CUDA-graph replay (``do_bench_cudagraph``), so that launch overhead, which
   every config pays alike, does not blur the ranking. Inputs are laid out as diffusers' processors
   pass them: (B, N, H, D) memory viewed as (B, H, N, D).
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels.flash_bwd import ONE_PASS_MIN_KEYS, flash_attn_bwd
+from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.flash_fwd import TensorDescriptor, _attn_fwd_kernel, fwd_args, fwd_meta, kv_operands
 from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.kernels.runtime import interpreting, launch_grid
@@ -94,10 +93,8 @@ def tasks(c: Case) -> list[tuple]:
     """Every (case, kind, label, config) the sweep launches."""
     if not c.backward:
         return [(c, "fwd", label, cfg) for label, *_ in fwd_variants(c) for cfg in FWD_CANDIDATES]
-    kinds = [("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)]
-    if c.Nk >= ONE_PASS_MIN_KEYS:  # the one-pass kernel is the dK/dV kernel: the same tiles
-        kinds.append(("onepass", DKDV_CANDIDATES))
-    return [(c, kind, label, cfg) for label in bwd_variants(c) for kind, cands in kinds for cfg in cands]
+    return [(c, kind, label, cfg) for label in bwd_variants(c)
+            for kind, cands in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)) for cfg in cands]
 
 
 def launcher(task, tensors):
@@ -109,12 +106,8 @@ def launcher(task, tensors):
         split, tma = next(var[1:] for var in fwd_variants(c) if var[0] == label)
         return lambda: flash_attn_fwd(q, k, v, scale, split_head_dim=split, config=as_config(cfg), kv_tma=tma)[0]
     do, out, lse = tensors[3:]
-    if kind == "onepass":
-        return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=as_config(cfg), split_head_dim=label == "split",
-                                      atomic_dq=True)
     pair = (as_config(cfg), as_config(DQ_FIXED)) if kind == "dkdv" else (as_config(DKDV_FIXED), as_config(cfg))
-    return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=pair, split_head_dim=label == "split",
-                                  atomic_dq=False)
+    return lambda: flash_attn_bwd(do, q, k, v, out, lse, scale, config=pair, split_head_dim=label == "split")
 
 
 def _compile_worker(chunk: list[tuple]) -> list[str]:

@@ -21,16 +21,6 @@ GRAD_CASES = [
 ]
 
 
-@pytest.fixture(params=[False, True], ids=["two-pass", "one-pass"])
-def atomic_dq(request, monkeypatch):
-    """The triton backward through its two deterministic passes, then through the one pass that adds
-    dQ in fp32 atomics (the default on CUDA from ONE_PASS_MIN_KEYS keys), whatever the device."""
-    from sdpatch.kernels import flash_bwd
-
-    monkeypatch.setattr(flash_bwd, "default_atomic_dq", lambda n_k, device: request.param)
-    return request.param
-
-
 def check_grads(backend, B, H, Nq, Nk, D, dtype, mask_kind, layout, **kw):
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Nq, Nk, D, dtype, layout, seed=3))
     mask = make_mask(mask_kind, B, H, Nq, Nk, dtype)
@@ -50,28 +40,6 @@ def test_grads_match_float64(backend, B, H, Nq, Nk, D, dtype, mask, layout):
     check_grads(backend, B, H, Nq, Nk, D, dtype, mask, layout)
 
 
-@pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,mask,layout", GRAD_CASES)
-def test_triton_one_pass_grads_match_float64(monkeypatch, B, H, Nq, Nk, D, dtype, mask, layout):
-    from sdpatch.kernels import flash_bwd
-
-    monkeypatch.setattr(flash_bwd, "default_atomic_dq", lambda n_k, device: True)
-    check_grads("triton", B, H, Nq, Nk, D, dtype, mask, layout)
-
-
-def test_one_pass_is_the_default_for_self_attention_on_cuda_unless_deterministic():
-    from sdpatch.kernels.flash_bwd import ONE_PASS_MIN_KEYS, default_atomic_dq
-
-    cuda = torch.device("cuda", 0)
-    assert default_atomic_dq(4096, cuda) and default_atomic_dq(ONE_PASS_MIN_KEYS, cuda)
-    assert not default_atomic_dq(77, cuda)  # two key blocks: the dQ kernel's own loop is short
-    assert not default_atomic_dq(4096, torch.device("cpu"))
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert not default_atomic_dq(4096, cuda)  # atomics add in no fixed order
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
 @pytest.mark.parametrize("budget", [1, 3000, 10**9], ids=lambda b: f"budget{b}")
 def test_chunked_backward_any_budget(budget):
     check_grads("chunked", 2, 3, 29, 19, 16, torch.float32, "bool", "bnhd", chunk_budget=budget)
@@ -86,7 +54,7 @@ def test_mask_takes_no_gradient():
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-tile", "two-tiles"])
 @pytest.mark.parametrize("D,mask_kind", [(40, "bool"), (80, "none"), (160, "additive")])
-def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split, atomic_dq):
+def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split):
     """The backward kernels are exact with the head dim as one padded tile or as two parts."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
     from sdpatch.kernels.forward import flash_attn_fwd
@@ -98,7 +66,7 @@ def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split, atomic_dq):
     scale = D**-0.5
     out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=True)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(q.dtype)
-    grads = flash_attn_bwd(do, q, k, v, out, lse, scale, mask, split_head_dim=split, atomic_dq=atomic_dq)
+    grads = flash_attn_bwd(do, q, k, v, out, lse, scale, mask, split_head_dim=split)
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=mask), (q64, k64, v64), do.double())
@@ -107,7 +75,7 @@ def test_triton_backward_head_dim_tilings_agree(D, mask_kind, split, atomic_dq):
 
 
 @pytest.mark.parametrize("splits", [1, 3, 10], ids=lambda s: f"splits{s}")
-def test_triton_backward_query_splits_agree(splits, atomic_dq):
+def test_triton_backward_query_splits_agree(splits):
     """dK and dV are the same whether one program per key block walks every query block or
     several share them out (10 splits of 7 query blocks leave some splits empty)."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
@@ -117,7 +85,7 @@ def test_triton_backward_query_splits_agree(splits, atomic_dq):
     mask = make_mask("padding", 2, 2, 97, 77, torch.float16)
     out, lse = flash_attn_fwd(q, k, v, 40**-0.5, mask, return_lse=True)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(q.dtype)
-    grads = flash_attn_bwd(do, q, k, v, out, lse, 40**-0.5, mask, query_splits=splits, atomic_dq=atomic_dq)
+    grads = flash_attn_bwd(do, q, k, v, out, lse, 40**-0.5, mask, query_splits=splits)
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=mask), (q64, k64, v64), do.double())
@@ -183,18 +151,17 @@ def test_triton_backward_layout_seen_before_reuses_its_launch(monkeypatch):
 def test_autotuned_tiles_divide_128():
     """On a layout's first call the launchers set EVEN_M / EVEN_N from the lengths modulo 128, before
     the autotuner has picked a tile: right only while every candidate tile divides 128."""
-    from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs, _one_pass_configs
+    from sdpatch.kernels.flash_bwd import _dkdv_configs, _dq_configs
     from sdpatch.kernels.flash_fwd import fwd_configs
 
-    for c in fwd_configs(False) + fwd_configs(True) + _dkdv_configs() + _dq_configs() + _one_pass_configs():
+    for c in fwd_configs(False) + fwd_configs(True) + _dkdv_configs() + _dq_configs():
         assert 128 % c.kwargs["BLOCK_M"] == 0 and 128 % c.kwargs["BLOCK_N"] == 0, c
 
 
-def test_triton_backward_tails_with_every_score_far_below_zero(atomic_dq):
+def test_triton_backward_tails_with_every_score_far_below_zero():
     """Key and query tails (19 keys, 17 queries: not whole 16-row blocks) where every score is about
     -1000: the log-sum-exp is then so negative that exp2(0 - lse) on a padded key overflows, so
-    whichever kernel adds dQ must still mask the key tail, and the dK/dV kernel's padded rows must
-    stay its own."""
+    the dQ kernel must still mask the key tail, and the dK/dV kernel's padded rows must stay its own."""
     from sdpatch.kernels.flash_bwd import flash_attn_bwd
     from sdpatch.kernels.forward import flash_attn_fwd
 
@@ -210,7 +177,7 @@ def test_triton_backward_tails_with_every_score_far_below_zero(atomic_dq):
     out, lse = flash_attn_fwd(q, k, v, 0.25, return_lse=True)
     assert lse.max() < -1000  # base 2: exp2(-lse) is inf in fp32
     do = torch.randn(q.shape, generator=g).half()
-    grads = flash_attn_bwd(do, q, k, v, out, lse, 0.25, atomic_dq=atomic_dq)
+    grads = flash_attn_bwd(do, q, k, v, out, lse, 0.25)
 
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref = torch.autograd.grad(attention_ref(q64, k64, v64, scale=0.25), (q64, k64, v64), do.double())
@@ -244,13 +211,8 @@ ONE_KEY_CASES = [
 
 
 @pytest.mark.parametrize("B,H,Nq,Nk,D,dtype,mask_kind", ONE_KEY_CASES)
-@pytest.mark.parametrize("backend", ["triton", "triton-one-pass", "chunked"])
-def test_rows_with_one_live_key_get_exact_zero_gradients(monkeypatch, backend, B, H, Nq, Nk, D, dtype, mask_kind):
-    if backend == "triton-one-pass":
-        from sdpatch.kernels import flash_bwd
-
-        monkeypatch.setattr(flash_bwd, "default_atomic_dq", lambda n_k, device: True)
-        backend = "triton"
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
+def test_rows_with_one_live_key_get_exact_zero_gradients(backend, B, H, Nq, Nk, D, dtype, mask_kind):
     q, k, v = (t.requires_grad_() for t in make_qkv(B, H, Nq, Nk, D, dtype, seed=11))
     mask, single = one_live_key_mask(mask_kind, Nq, Nk, dtype)
     do = torch.randn(B, H, Nq, D, generator=torch.Generator().manual_seed(12)).to(dtype)
@@ -272,8 +234,8 @@ def test_rows_with_one_live_key_get_exact_zero_gradients(monkeypatch, backend, B
 def test_every_key_tile_holds_the_one_block_keys():
     """The kernels take a row's keys as one block up to ONE_BLOCK_KEYS keys: right only while
     every tile (the interpreter's too) has at least that many keys."""
-    from sdpatch.kernels.flash_bwd import _INTERPRET_CONFIG, ONE_BLOCK_KEYS, _dkdv_configs, _dq_configs, _one_pass_configs
+    from sdpatch.kernels.flash_bwd import _INTERPRET_CONFIG, ONE_BLOCK_KEYS, _dkdv_configs, _dq_configs
 
     assert _INTERPRET_CONFIG["BLOCK_N"] >= ONE_BLOCK_KEYS
-    for c in _dkdv_configs() + _dq_configs() + _one_pass_configs():
+    for c in _dkdv_configs() + _dq_configs():
         assert c.kwargs["BLOCK_N"] >= ONE_BLOCK_KEYS, c
