@@ -42,12 +42,14 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, starting with stock (default: {','.join(VARIANTS)})")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds per configuration (default {ROUNDS})")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated image sizes")
+    ap.add_argument("--checkpointing", default="off,on", help="gradient checkpointing: off, on, or both (off,on)")
     args = ap.parse_args()
     variants = tuple(args.variants.split(","))
     assert variants[0] == "stock", "the ratios and gradient errors are against stock: list it first"
     unet = training_unet()
     rows = []
-    for size in SIZES:
+    for size in map(int, args.sizes.split(",")):
         kw = unet_inputs(unet, BATCH, size, torch.float32)
         target = torch.randn_like(kw["sample"])
         step = train_step(unet, kw, target)
@@ -59,7 +61,7 @@ def main() -> None:
         train_step(unet, kw, target, autocast=False)()
         torch.backends.cudnn.allow_tf32 = tf32
         exact = unet.conv_in.weight.grad.detach().clone()
-        for checkpointing in (False, True):
+        for checkpointing in (c == "on" for c in args.checkpointing.split(",")):
             if checkpointing:
                 unet.enable_gradient_checkpointing()
             else:

@@ -9,7 +9,7 @@
 # CHECK_SHARDS=N splits check_gpu.py's list over N processes, e.g.
 #   SHARE_GPU=1 CHECK_SHARDS=3 bash scripts/gpu_session.sh check sanitize sanitize=gluon
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps, host=PARTS --parts PARTS to bench_host.py (comma-separated case names or substrings;
-# e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
+# e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); TRAIN_ARGS="--sizes 768 ..." go to bench_train_step.py; for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
@@ -89,7 +89,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
-    train) $t python3 "$REPO/scripts/bench_train_step.py" --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
+    train) $t python3 "$REPO/scripts/bench_train_step.py" ${TRAIN_ARGS:-} --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
     planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column;
       # planner=small: issue 29's small-card targets alone (SMALL_MODELS=sdxl,...: those presets' only)
       if [ "$only" = small ]; then

@@ -671,6 +671,24 @@ def test_weight_levers_apply_and_are_removed_exactly(tiny, levers, exact):
     assert psnr == float("inf")
 
 
+def test_split_cfg_wraps_the_group_offload_hooks(tiny):
+    """Split CFG goes outside group offload's hooks, so that each half of the batch is one whole UNet
+    call to them (with CUDA streams, leaf-level offload records its prefetch order from one call):
+    together they keep the image up to split CFG's rounding, and come out without a trace. Block
+    level here: its hooks wrap the UNet's own forward on the CPU too, leaf level's only with streams."""
+    from sdpatch.planner.levers import _MicroBatchedUNet
+
+    reference = images(tiny, size=64)
+    before = weights_state(tiny)
+    apply_plan(tiny, Levers(group_offload="block_level", unet_micro_batch=1), device="cpu")
+    assert isinstance(tiny.unet.forward, _MicroBatchedUNet)
+    planned = images(tiny, size=64)
+    remove_plan(tiny)
+    assert_same_state(before, weights_state(tiny))
+    assert image_difference(planned, reference)[1] >= 40
+    assert image_difference(images(tiny, size=64), reference)[1] == float("inf")
+
+
 def test_weight_levers_lower_the_estimate_in_order(meta_pipes):
     """SDXL at 1024²: each weight lever, as the planner offers it, lowers the denoising peak."""
     spec = flash_spec(meta_pipes["sdxl"])
