@@ -671,21 +671,21 @@ def test_weight_levers_apply_and_are_removed_exactly(tiny, levers, exact):
     assert psnr == float("inf")
 
 
-def test_split_cfg_wraps_the_group_offload_hooks(tiny):
-    """Split CFG goes outside group offload's hooks, so that each half of the batch is one whole UNet
-    call to them (with CUDA streams, leaf-level offload records its prefetch order from one call):
-    together they keep the image up to split CFG's rounding, and come out without a trace. Block
-    level here: its hooks wrap the UNet's own forward on the CPU too, leaf level's only with streams."""
+def test_split_cfg_goes_inside_the_group_offload_hooks(tiny):
+    """Group offload's hooks wrap the micro-batched UNet, so that one UNet call to them runs both
+    halves of the batch (outside, SD 1.5 at 2048² reserved 1.1 GiB more with streams): together they
+    keep the image up to split CFG's rounding, and come out without a trace. Block level here: its
+    hooks wrap the UNet's own forward on the CPU too, leaf level's only with streams."""
     from sdpatch.planner.levers import _MicroBatchedUNet
 
     reference = images(tiny, size=64)
     before = weights_state(tiny)
     apply_plan(tiny, Levers(group_offload="block_level", unet_micro_batch=1), device="cpu")
-    assert isinstance(tiny.unet.forward, _MicroBatchedUNet)
+    assert not isinstance(tiny.unet.forward, _MicroBatchedUNet)  # the offload hooks' forward is outermost
     planned = images(tiny, size=64)
     remove_plan(tiny)
     assert_same_state(before, weights_state(tiny))
-    assert image_difference(planned, reference)[1] >= 40
+    assert 40 <= image_difference(planned, reference)[1] < float("inf")  # split: rounding apart
     assert image_difference(images(tiny, size=64), reference)[1] == float("inf")
 
 
