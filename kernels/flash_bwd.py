@@ -28,9 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .runtime import (
     autotune_options,
@@ -42,11 +45,15 @@ from .runtime import (
     launch_grid,
     on_device,
     precompile,
+    shipped_config,
     tile_configs,
+    tune_key,
     vector_align,
 )
 from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 from .flash_fwd_hopper import sm_count
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -430,10 +437,20 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
     splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
-    # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
-    configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG) if interpreting() else None
     meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
+    # (dK/dV, dQ) tiles known before any call where the interpreter fixes them (it cannot autotune)
+    # or the table shipped for this GPU has them.
+    if interpreting():
+        configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG)
+    else:
+        configs = shipped_config("bwd", q.device, bwd_tune_key(Nq, Nk, q.dtype, meta))
+        configs = tuple(configs) if configs else None
     return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs)
+
+
+def bwd_tune_key(n_q: int, n_k: int, dtype: torch.dtype, meta: dict) -> str:
+    """A layout's key in the shipped tuned-tile table: the autotuners' key, and the dtype."""
+    return tune_key(n_q, n_k, *(meta[name] for name in ("HEAD_DIM", "BLOCK_DB", "MASK_KIND")), dtype)
 
 
 def dkdv_grid(n_k: int, bh: int, splits: int, block_n: int) -> tuple[int, int, int]:
@@ -505,9 +522,17 @@ def flash_attn_bwd(
             (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
              {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config}, ("dkdv", *dkdv_config.items())),
         )
+        try:
+            grads = _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, (dq, dk, dv, delta, dk_out, dv_out))
+        except OutOfResources as e:
+            if config is not plan.configs:  # a plan's tiles that do not fit can only be shipped ones
+                raise
+            logger.warning("shipped tiles %s do not fit this GPU (%s); autotuning this layout", config, e)
+            plan.configs = None
+            return flash_attn_bwd(do, q, k, v, out, lse, scale, mask, None, split_head_dim, query_splits)
         if config is plan.configs:  # later calls of this layout reuse the whole launch
             plan.tuned = tuned
-        return _launch_tuned(plan, tuned, do, q, k, v, out, lse, mask, (dq, dk, dv, delta, dk_out, dv_out))
+        return grads
 
     # This layout's first call: the autotuner picks the tiles. dQ first: it also computes delta,
     # which the dK/dV kernel reads. EVEN_N and EVEN_M depend on the tuned tiles; every candidate

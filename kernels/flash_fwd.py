@@ -11,9 +11,12 @@ pointer loads. On Hopper, :mod:`.forward` sends unmasked self-attention to the G
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .runtime import (
     Plan,
@@ -25,10 +28,14 @@ from .runtime import (
     launch_grid,
     on_device,
     precompile,
+    shipped_config,
     tile_configs,
+    tune_key,
     vector_align,
 )
 from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
+
+logger = logging.getLogger(__name__)
 
 try:  # triton >= 3.4: host-side descriptors for Hopper's tensor memory accelerator (TMA)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -348,6 +355,18 @@ def fwd_scalars(q, k, v, mask, out, scale) -> tuple:
 _plans: dict[tuple, Plan] = {}
 
 
+def fwd_tune_key(n_q: int, n_k: int, dtype: torch.dtype, meta: dict) -> str:
+    """A layout's key in the shipped tuned-tile table: the autotuner's key, and the dtype."""
+    return tune_key(n_q, n_k, *(meta[name] for name in ("HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA")), dtype)
+
+
+def _fwd_plan(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma) -> Plan:
+    """A layout's plan, with the tiles already known where the interpreter fixes them (it cannot
+    autotune) or the table shipped for this GPU has them."""
+    meta = fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma)
+    return Plan(meta, _INTERPRET_CONFIG if interpreting() else shipped_config("fwd", q.device, fwd_tune_key(q.shape[2], k.shape[2], q.dtype, meta)))
+
+
 def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None, kv_tma=None) -> dict | None:
     """The tiles the autotuner picked for this call's layout, once a call has tuned it."""
     plan = _plans.get(plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma))
@@ -381,10 +400,8 @@ def fa2_attn_fwd(
     """
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    # The interpreter cannot autotune: its plans start with a fixed config, as if tuned.
     plan = cached_plan(_plans, plan_key(q, k, v, mask, scale, return_lse, split_head_dim, kv_tma),
-                       lambda: Plan(fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma),
-                                     _INTERPRET_CONFIG if interpreting() else None))
+                       lambda: _fwd_plan(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma))
     Nq, Nk, BH = q.shape[2], k.shape[2], q.shape[0] * q.shape[1]
 
     tuned = config is None and plan.tuned
@@ -400,7 +417,14 @@ def fa2_attn_fwd(
             kv = kv_operands(k, v, plan.meta, config["BLOCK_N"])
             consts = {**plan.meta, "EVEN_N": Nk % config["BLOCK_N"] == 0, **config}
             grid, key = launch_grid(Nq, BH, config["BLOCK_M"]), tuple(config.items())
-            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            try:
+                launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            except OutOfResources as e:
+                if config is not plan.config:  # a plan's tiles that do not fit can only be shipped ones
+                    raise
+                logger.warning("shipped tiles %s do not fit this GPU (%s); autotuning this layout", config, e)
+                plan.config = None
+                return fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, None, kv_tma)
             if config is plan.config:
                 plan.tuned = (grid, scalars, consts, key)
         else:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import triton
@@ -181,6 +183,39 @@ def cached_plan(plans: dict, key: tuple, make):
 
 def config_kwargs(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+# Tuned tiles shipped per GPU architecture (``tuned/sm_90.json``), by launcher ("fwd", "bwd") and the
+# autotuner's key (:func:`tune_key`), collected on a GPU by ``scripts/collect_tuned_configs.py``. A
+# layout found there starts its plan with them, as if tuned: its first call compiles one kernel
+# instead of every candidate, and times none. Every other layout tunes (and caches) as before.
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+def gpu_arch(device: torch.device) -> str | None:
+    """"sm_90" for a Hopper GPU; None off CUDA and in the interpreter (no table serves there)."""
+    if device.type != "cuda" or interpreting():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_configs(arch: str) -> dict:
+    """The tuned-tile table shipped for ``arch``, {} where none ships."""
+    path = TUNED_DIR / f"{arch}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def tune_key(*values) -> str:
+    """A table key: the autotuner's key values (sizes, head dim, tiling, mask kind, ...) and the dtype."""
+    return "|".join(str(v).removeprefix("torch.") for v in values)
+
+
+def shipped_config(launcher: str, device: torch.device, key: str):
+    """The tiles shipped for ``launcher``'s layout ``key`` on ``device``'s architecture, or None."""
+    arch = gpu_arch(device)
+    return None if arch is None else shipped_configs(arch).get(launcher, {}).get(key)
 
 
 # Compiles submitted to an executor while the mode is on (triton 3.6 and 3.9 have it).

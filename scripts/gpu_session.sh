@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check graphs e2e sanitize sweep bench host unet compare train planner multi (multi takes every GPU)
+#   check graphs e2e sanitize sweep bench host unet compare train planner tune multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # SHARE_GPU=1 runs every lane at once on GPU 0 (for steps that time nothing: check, sanitize), and
 # CHECK_SHARDS=N splits check_gpu.py's list over N processes, e.g.
@@ -101,6 +101,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
         > "$W/check_planner_expandable.log" 2>&1 || rc=$?
       $t python3 -m sdpatch compare --model sd15 --sizes 1024,2048 --backends stock,auto --vram-budget 3 --steps 3 --seed 0 \
         --out "$W/compare_budget" --overwrite > "$W/compare_budget.log" 2>&1 || rc=$? ;;
+    tune) $t python3 "$REPO/scripts/collect_tuned_configs.py" --out "$W/tuned.json" > "$W/tune.log" 2>&1 || rc=$? ;;  # then kernels/tuned/sm_XY.json
     multi) OUT="$W/multi" $t bash "$REPO/scripts/bench_multi_gpu.sh" > "$W/multi.log" 2>&1 || rc=$? ;;
     *) echo "unknown step $s"; rc=2 ;;
   esac

@@ -298,6 +298,114 @@ def test_precompile_leaves_every_candidate_compiled(tmp_path):
     assert async_mode == "True" and int(candidates) > 1 and cached == candidates
 
 
+class _Tuned(Exception):
+    """Raised by a stand-in autotuner: the launcher went to autotune."""
+
+
+SHIPPED = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 2, "num_stages": 2}  # no tuner's pick: seen only if shipped
+
+
+@pytest.fixture
+def shipped_table(tmp_path, monkeypatch):
+    """Launchers as on an sm_90 GPU with ``tmp_path`` as the shipped tuned-tile table's folder: their
+    launches recorded (consts), not run, and their autotuners raising :class:`_Tuned`. Returns
+    (write the table, the recorded launches)."""
+    import json
+
+    from sdpatch.kernels import flash_bwd, flash_fwd, runtime
+
+    monkeypatch.setattr(runtime, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(runtime, "gpu_arch", lambda device: "sm_90")
+    runtime.shipped_configs.cache_clear()
+    launches = []
+    for module in (flash_fwd, flash_bwd):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, args, consts, binaries, key: launches.append(consts))
+    for tuner in (flash_fwd._attn_fwd_tuned, flash_bwd._dq_tuned, flash_bwd._dkdv_tuned):
+        monkeypatch.setattr(tuner, "run", lambda *a, **k: (_ for _ in ()).throw(_Tuned()))
+    flash_fwd._plans.clear()
+    flash_bwd._bwd_plans.clear()
+
+    def write(table: dict) -> None:
+        (tmp_path / "sm_90.json").write_text(json.dumps(table))
+        runtime.shipped_configs.cache_clear()
+
+    yield write, launches
+    runtime.shipped_configs.cache_clear()
+    flash_fwd._plans.clear()
+    flash_bwd._bwd_plans.clear()
+
+
+def _shipped_call(launcher: str, n_k: int):
+    """One call of ``launcher`` at (1, 2, 64, n_k, 40) fp16, and its layout's table key."""
+    from sdpatch.kernels import flash_bwd, flash_fwd
+
+    q, k, v = make_qkv(1, 2, 64, n_k, 40, torch.float16, "bnhd")
+    if launcher == "fwd":
+        meta = flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.2, None, False, None)
+        return lambda: flash_fwd.fa2_attn_fwd(q, k, v, 0.2), flash_fwd.fwd_tune_key(64, n_k, q.dtype, meta)
+    lse = torch.zeros(1, 2, 64)
+    do = torch.randn_like(q)
+    meta = {"HEAD_DIM": 40, "BLOCK_DB": 0, "MASK_KIND": 0}
+    return lambda: flash_bwd.flash_attn_bwd(do, q, k, v, q, lse, 0.2), flash_bwd.bwd_tune_key(64, n_k, q.dtype, meta)
+
+
+@pytest.mark.parametrize("launcher", ["fwd", "bwd"])
+def test_shipped_tiles_skip_the_autotuner_for_their_layout_only(shipped_table, launcher):
+    """A layout in the table shipped for the GPU's architecture launches its tiles with no tuning;
+    another layout, or the same one with no table for the GPU, goes to the autotuner."""
+    write, launches = shipped_table
+    call, key = _shipped_call(launcher, 77)
+    write({launcher: {key: SHIPPED if launcher == "fwd" else [SHIPPED, SHIPPED]}})
+    call()
+    assert launches and all(c["BLOCK_M"] == SHIPPED["BLOCK_M"] and c["num_warps"] == 2 for c in launches if "BLOCK_M" in c)
+    other, _ = _shipped_call(launcher, 50)
+    with pytest.raises(_Tuned):
+        other()
+
+
+@pytest.mark.parametrize("launcher", ["fwd", "bwd"])
+def test_shipped_tiles_that_do_not_fit_fall_back_to_autotuning(shipped_table, monkeypatch, launcher, caplog):
+    """Shipped tiles that run out of shared memory (another Triton may pipeline them differently)
+    are dropped with a warning, and the layout is tuned as if none had shipped."""
+    from triton.runtime.errors import OutOfResources
+
+    from sdpatch.kernels import flash_bwd, flash_fwd
+
+    write, _ = shipped_table
+    call, key = _shipped_call(launcher, 77)
+    write({launcher: {key: SHIPPED if launcher == "fwd" else [SHIPPED, SHIPPED]}})
+
+    def out_of_resources(*args):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(flash_fwd if launcher == "fwd" else flash_bwd, "launch", out_of_resources)
+    with pytest.raises(_Tuned):
+        call()
+    assert "do not fit this GPU" in caplog.text
+
+
+def test_the_shipped_tables_hold_tiles_the_autotuners_offer():
+    """Every shipped tile is one of its kernel's autotune candidates, keyed as the launchers look up."""
+    import json
+
+    from sdpatch.kernels import flash_bwd, flash_fwd, runtime
+
+    def tiles(configs):
+        return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+
+    fwd = tiles(flash_fwd.fwd_configs(False) + flash_fwd.fwd_configs(True))
+    dkdv, dq = tiles(flash_bwd._dkdv_configs()), tiles(flash_bwd._dq_configs())
+    tables = list(runtime.TUNED_DIR.glob("sm_*.json"))
+    assert tables
+    for path in tables:
+        table = json.loads(path.read_text())
+        for key, tile in table["fwd"].items():
+            assert len(key.split("|")) == 7 and tile in fwd, (path.name, key)
+        for key, (a, b) in table["bwd"].items():
+            assert len(key.split("|")) == 6 and a in dkdv and b in dq, (path.name, key)
+
+
 def test_head_dim_parts():
     from sdpatch.kernels.shared import head_dim_parts
 
