@@ -26,9 +26,8 @@ rounding stays (masks that leave one key of many are rare).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import logging
+from dataclasses import dataclass, field
 
 import torch
 import triton

@@ -364,7 +364,9 @@ def _fwd_plan(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma) -> 
     """A layout's plan, with the tiles already known where the interpreter fixes them (it cannot
     autotune) or the table shipped for this GPU has them."""
     meta = fwd_meta(q, k, v, out, scale, mask, return_lse, split_head_dim, kv_tma)
-    return Plan(meta, _INTERPRET_CONFIG if interpreting() else shipped_config("fwd", q.device, fwd_tune_key(q.shape[2], k.shape[2], q.dtype, meta)))
+    if interpreting():
+        return Plan(meta, _INTERPRET_CONFIG)
+    return Plan(meta, shipped_config("fwd", q.device, fwd_tune_key(q.shape[2], k.shape[2], q.dtype, meta)))
 
 
 def tuned_config(q, k, v, scale: float, mask=None, return_lse: bool = False, split_head_dim=None, kv_tma=None) -> dict | None:
