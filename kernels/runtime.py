@@ -193,7 +193,8 @@ TUNED_DIR = Path(__file__).with_name("tuned")
 
 
 def gpu_arch(device: torch.device) -> str | None:
-    """"sm_90" for a Hopper GPU; None off CUDA and in the interpreter (no table serves there)."""
+    """The GPU's architecture as the tables are named (sm_90 for Hopper); None off CUDA and in the
+    interpreter, where no table serves."""
     if device.type != "cuda" or interpreting():
         return None
     major, minor = torch.cuda.get_device_capability(device)

@@ -351,9 +351,11 @@ def _shipped_call(launcher: str, n_k: int):
 
 
 @pytest.mark.parametrize("launcher", ["fwd", "bwd"])
-def test_shipped_tiles_skip_the_autotuner_for_their_layout_only(shipped_table, launcher):
+def test_shipped_tiles_skip_the_autotuner_for_their_layout_only(shipped_table, monkeypatch, launcher):
     """A layout in the table shipped for the GPU's architecture launches its tiles with no tuning;
-    another layout, or the same one with no table for the GPU, goes to the autotuner."""
+    another layout, or the same one on a GPU no table ships for, goes to the autotuner."""
+    from sdpatch.kernels import flash_bwd, flash_fwd, runtime
+
     write, launches = shipped_table
     call, key = _shipped_call(launcher, 77)
     write({launcher: {key: SHIPPED if launcher == "fwd" else [SHIPPED, SHIPPED]}})
@@ -362,6 +364,11 @@ def test_shipped_tiles_skip_the_autotuner_for_their_layout_only(shipped_table, l
     other, _ = _shipped_call(launcher, 50)
     with pytest.raises(_Tuned):
         other()
+    monkeypatch.setattr(runtime, "gpu_arch", lambda device: "sm_80")
+    flash_fwd._plans.clear()
+    flash_bwd._bwd_plans.clear()
+    with pytest.raises(_Tuned):
+        call()
 
 
 @pytest.mark.parametrize("launcher", ["fwd", "bwd"])
