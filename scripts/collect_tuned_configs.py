@@ -35,17 +35,18 @@ def tune(preset: str, sizes: tuple[int, ...], train: bool) -> None:
     unet = build_preset(preset, device="cuda", dtype=torch.float16).unet
     use_variant(unet, "auto")
     for size in sizes:
-        with torch.no_grad():
-            unet(**unet_inputs(unet, BATCH, size, torch.float16))
         if train:
             unet.float().train().requires_grad_(True)
             kw = unet_inputs(unet, BATCH, size, torch.float32)
             train_step(unet, kw, torch.randn_like(kw["sample"]))()
             unet.zero_grad(set_to_none=True)
             unet.half().eval().requires_grad_(False)
+        else:
+            with torch.no_grad():
+                unet(**unet_inputs(unet, BATCH, size, torch.float16))
         torch.cuda.synchronize()
-        print(f"tuned {preset} {size}²: {len(flash_fwd._plans)} forward and {len(flash_bwd._bwd_plans)} backward layouts so far",
-              flush=True)
+        print(f"tuned {preset} {size}²{' training' if train else ''}: {len(flash_fwd._plans)} forward and "
+              f"{len(flash_bwd._bwd_plans)} backward layouts so far", flush=True)
     del unet
     torch.cuda.empty_cache()
 
@@ -76,14 +77,21 @@ def main() -> None:
     # Tune from scratch: with the shipped table in place its layouts would take its tiles untimed.
     runtime.TUNED_DIR = Path(tempfile.mkdtemp())
     shipped_configs.cache_clear()
-    for preset, sizes in RUNS:
-        tune(preset, sizes, train=not args.no_train)
+    # Inference first, every preset, then the training steps: a run cut off by a time limit still
+    # leaves the table of what a first image needs, written after every preset.
+    for train in (False,) if args.no_train else (False, True):
+        for preset, sizes in RUNS:
+            tune(preset, sizes, train=train)
+            write_table(args.out, base, arch)
+
+
+def write_table(out: str, base: dict, arch: str) -> None:
     found = tuned_entries()
     table = {kind: {**base.get(kind, {}), **found[kind]} for kind in ("fwd", "bwd")}
     table["measured_on"] = environment()
-    Path(args.out).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    Path(out).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"{arch}: {len(found['fwd'])} forward and {len(found['bwd'])} backward layouts tuned; "
-          f"{len(table['fwd'])} and {len(table['bwd'])} in {args.out}")
+          f"{len(table['fwd'])} and {len(table['bwd'])} in {out}", flush=True)
 
 
 if __name__ == "__main__":
