@@ -24,8 +24,7 @@ and finding its live keys first would cost the dQ kernel a second pass over them
 rounding stays (masks that leave one key of many are rare).
 """
 
-from __future__ import annotations
-
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .runtime import (
-    autotune_options,
+    autotuner,
     cached_plan,
     cdiv,
     config_kwargs,
@@ -49,7 +48,7 @@ from .runtime import (
     tune_key,
     vector_align,
 )
-from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
+from .shared import LOG2E, SERVES, batch_head, in_range, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 from .flash_fwd_hopper import sm_count
 
 logger = logging.getLogger(__name__)
@@ -154,7 +153,7 @@ def _bwd_dkdv_kernel(
         dvb = tl.zeros([BLOCK_N, BLOCK_DB], dtype=tl.float32)
 
     for start_m in range(m_lo, m_hi, BLOCK_M):
-        m_valid = ((start_m + offs_m) < N_Q) | EVEN_M  # all true without a query tail: loads unmasked
+        m_valid = in_range(start_m + offs_m, N_Q, EVEN_M)
         qTa = _load_cols(q_cols, stride_qd, offs_da, da_valid, m_valid, DOT_FP32)
         doa = _load_rows(do_rows, stride_dod, offs_da, da_valid, m_valid, DOT_FP32)
         lse = tl.load(Lse + row_base + start_m + offs_m, mask=m_valid, other=float("inf"))
@@ -282,7 +281,7 @@ def _bwd_dq_kernel(
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
 
     for start_n in range(0, N_K, BLOCK_N):
-        n_valid = ((start_n + offs_n) < N_K) | EVEN_N  # all true without a key tail: loads unmasked
+        n_valid = in_range(start_n + offs_n, N_K, EVEN_N)
         kTa = _load_cols(k_cols, stride_kd, offs_da, da_valid, n_valid, DOT_FP32)
         vTa = _load_cols(v_cols, stride_vd, offs_da, da_valid, n_valid, DOT_FP32)
         # -- recompute P, then dS = P * (dP - delta); dQ += dS K -------------------------------
@@ -384,12 +383,10 @@ def _prune(configs, named_args, **kwargs):
 _KEY = ["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND"]
 
 
-def _tuned(kernel, configs):
-    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune}, **autotune_options())(kernel)
-
-
-_dkdv_tuned = _tuned(_bwd_dkdv_kernel, _dkdv_configs())
-_dq_tuned = _tuned(_bwd_dq_kernel, _dq_configs())
+@functools.cache
+def bwd_tuners():
+    """The (dK/dV, dQ) kernels' autotuners (see :func:`runtime.autotuner`)."""
+    return autotuner(_bwd_dkdv_kernel, _dkdv_configs(), _KEY, _prune), autotuner(_bwd_dq_kernel, _dq_configs(), _KEY, _prune)
 
 
 def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
@@ -536,15 +533,16 @@ def flash_attn_bwd(
     # This layout's first call: the autotuner picks the tiles. dQ first: it also computes delta,
     # which the dK/dV kernel reads. EVEN_N and EVEN_M depend on the tuned tiles; every candidate
     # BLOCK_N and BLOCK_M divides 128.
-    dq_call = (_dq_tuned, lambda META: launch_grid(Nq, BH, META["BLOCK_M"]),
+    dkdv_tuner, dq_tuner = bwd_tuners()
+    dq_call = (dq_tuner, lambda META: launch_grid(Nq, BH, META["BLOCK_M"]),
                (q, k, v, mask, do, out, dq, lse, delta, *dq_scalars), {**plan.meta, "EVEN_N": Nk % 128 == 0})
-    dkdv_call = (_dkdv_tuned, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
+    dkdv_call = (dkdv_tuner, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
                  (q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars), {**plan.meta, "EVEN_M": Nq % 128 == 0})
     with on_device(q):
         precompile(dq_call, dkdv_call)
         for tuner, grid, args, meta in (dq_call, dkdv_call):
             tuner[grid](*args, **meta)
-        plan.configs = (config_kwargs(_dkdv_tuned.best_config), config_kwargs(_dq_tuned.best_config))
+        plan.configs = (config_kwargs(dkdv_tuner.best_config), config_kwargs(dq_tuner.best_config))
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 

@@ -9,8 +9,7 @@ pointer loads. On Hopper, :mod:`.forward` sends unmasked self-attention to the G
 :mod:`.flash_fwd_hopper` instead, where it measured faster.
 """
 
-from __future__ import annotations
-
+import functools
 import logging
 
 import torch
@@ -20,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 
 from .runtime import (
     Plan,
-    autotune_options,
+    autotuner,
     cached_plan,
     config_kwargs,
     interpreting,
@@ -33,7 +32,7 @@ from .runtime import (
     tune_key,
     vector_align,
 )
-from .shared import LOG2E, SERVES, batch_head, kernel_meta, mask_kind, masked_scores, plan_key, tiling
+from .shared import LOG2E, SERVES, batch_head, in_range, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ def _attn_fwd_kernel(
         tma_b, tma_h = off_b.to(tl.int32), off_h.to(tl.int32)
     for start_n in range(0, N_K, BLOCK_N):
         n_valid = (start_n + offs_n) < N_K
-        kv_valid = n_valid | EVEN_N  # all true when no key tail exists: the compiler drops it
+        kv_valid = in_range(start_n + offs_n, N_K, EVEN_N)
         # -- compute qk ------------------------------------------------------------------
         if KV_TMA:
             ka = tl.trans(K.load([tma_b, tma_h, start_n, 0]).reshape(BLOCK_N, BLOCK_DA))
@@ -281,23 +280,25 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if keep(c)] or configs[-1:]
 
 
-def _tuned(configs: list[triton.Config]):
-    # Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
-    return triton.autotune(configs=configs, key=["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA"],
-                           prune_configs_by={"early_config_prune": _prune}, **autotune_options())(_attn_fwd_kernel)
-
+# Autotune key: sequence lengths, head dim and its tiling, and the K/V loads; the tiles that win change with each.
+FWD_KEY = ["N_Q", "N_K", "HEAD_DIM", "BLOCK_DB", "MASK_KIND", "KV_TMA"]
 
 # One autotuner per way of loading K and V. Pointer-load configs carry no pre-hook, so that Triton
 # keeps their tuning on disk and a new process skips it: it cannot store a config with a pre-hook,
 # and re-tuned every shape in every process (1-3 s of an SD pipeline's first step on an H200). The
 # TMA configs need theirs: it sets the descriptors' tile rows to the config's BLOCK_N.
-_attn_fwd_tuned = _tuned(tile_configs(POINTER_TILES))
-_attn_fwd_tuned_tma = _tuned(tile_configs(TMA_TILES, pre_hook=_kv_tile_rows))
+_FWD_CONFIGS = {False: tile_configs(POINTER_TILES), True: tile_configs(TMA_TILES, pre_hook=_kv_tile_rows)}
+
+
+@functools.cache
+def fwd_tuner(kv_tma: bool):
+    """The forward's autotuner for one way of loading K and V (see :func:`runtime.autotuner`)."""
+    return autotuner(_attn_fwd_kernel, _FWD_CONFIGS[kv_tma], FWD_KEY, _prune)
 
 
 def fwd_configs(kv_tma: bool) -> list[triton.Config]:
     """The forward autotuner's candidates for one way of loading K and V, before pruning."""
-    return (_attn_fwd_tuned_tma if kv_tma else _attn_fwd_tuned).configs
+    return _FWD_CONFIGS[kv_tma]
 
 
 # The interpreter cannot autotune without a GPU driver: one fixed small config, which also
@@ -432,7 +433,7 @@ def fa2_attn_fwd(
         else:
             args = (q, *kv_operands(k, v, plan.meta), mask, out, lse, *scalars)  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
-            tuner = _attn_fwd_tuned_tma if plan.meta["KV_TMA"] else _attn_fwd_tuned
+            tuner = fwd_tuner(plan.meta["KV_TMA"])
             grid, meta = (lambda META: launch_grid(Nq, BH, META["BLOCK_M"])), {**plan.meta, "EVEN_N": Nk % 128 == 0}
             if not plan.meta["KV_TMA"]:
                 precompile((tuner, grid, args, meta))

@@ -32,8 +32,6 @@ the launch layer (:func:`sdpatch.kernels.forward.flash_attn_fwd`) takes it; ``SD
 under ``TRITON_INTERPRET``: CI compiles this one for sm_90, and the GPU checks run it against float64.
 """
 
-from __future__ import annotations
-
 import functools
 import heapq
 import logging

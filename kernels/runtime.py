@@ -284,6 +284,13 @@ def tile_configs(tiles: list[tuple[int, int, int, int]], pre_hook=None) -> list[
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=pre_hook) for bm, bn, w, s in tiles]
 
 
+def autotuner(kernel, configs: list[triton.Config], key: list[str], prune):
+    """Triton's autotuner of ``kernel`` over ``configs``, keyed by ``key``, pruned by ``prune``. Make
+    it at first use, not at import: triton 3.2's looks up the active GPU driver when it is made, and
+    a machine without a GPU has none."""
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **autotune_options())(kernel)
+
+
 def autotune_options() -> dict:
     """Keep autotuning results on disk beside Triton's kernel cache where Triton can (>= 3.3):
     a pipeline's second run skips the tuning its first run paid."""

@@ -1,8 +1,6 @@
 """What the forward and backward kernels share: the table of what they serve, the one head-dim
 tiling rule, the mask kinds, their common constexprs, and two jitted helpers."""
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch
@@ -35,6 +33,18 @@ def batch_head(H):
     over grid dims 1 and 2 so that it can exceed 65,535 (see :func:`launch_grid`)."""
     pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
     return pid_bh, (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+
+
+@triton.jit
+def in_range(offs, n, NO_TAIL: tl.constexpr):
+    """Which of the offsets ``offs`` are below ``n``; all, known at compile time, where there is no
+    tail (``NO_TAIL``), so that loads under this mask compile unmasked. "All" is the comparison of
+    a value with itself, which folds to a constant like a literal True, which triton 3.2's
+    interpreter cannot broadcast (it has no int1 constants)."""
+    valid = offs < n
+    if NO_TAIL:
+        valid = valid == valid
+    return valid
 
 
 @triton.jit

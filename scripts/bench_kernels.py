@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels.flash_bwd import _dkdv_tuned, _dq_tuned, flash_attn_bwd
+from sdpatch.kernels.flash_bwd import bwd_tuners, flash_attn_bwd
 from sdpatch.kernels.flash_fwd import kv_tma_ok, tuned_config
 from sdpatch.kernels import forward
 from sdpatch.kernels.forward import flash_attn_fwd
@@ -319,7 +319,7 @@ def run_case(c: Case, rounds: int) -> Row:
 
         first = torch.autograd.grad(graphs["sdpatch"], (q, k, v), do, retain_graph=True)
         torch.cuda.synchronize()
-        row.tuned_config = str([config_kwargs(t.best_config) for t in (_dkdv_tuned, _dq_tuned)])
+        row.tuned_config = str([config_kwargs(t.best_config) for t in bwd_tuners()])
         row.first_call_s = time.perf_counter() - t0
         for name in impls:
             if graphs[name] is None:

@@ -15,6 +15,7 @@ compiled: ``torch.compile`` has no undo, and a compiled block computes what the 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -51,7 +52,10 @@ def speed_up(pipe: Any, *, cuda_graphs: bool, compile: bool) -> SpeedSetup:
     """
     setup = SpeedSetup(cuda_graphs=False, compile=False)
     components = graphs.graphed_components(pipe)
-    if compile:
+    reason = compile_unavailable() if compile else None
+    if reason is not None:
+        setup.notes.append(f"--compile off: {reason}")
+    elif compile:
         compiled = [name for name, module in components if compile_blocks(module)]
         setup.compile = bool(compiled)
         if not compiled:
@@ -89,6 +93,17 @@ def _graphs_unavailable(components: list[tuple[str, torch.nn.Module]]) -> str | 
             return f"the {name} is not on a CUDA device"
         if graphs._offloaded(module):
             return f"the {name} is offloaded (its weights move between calls)"
+    return None
+
+
+def compile_unavailable() -> str | None:
+    """Why ``torch.compile``'s default backend cannot load here (None: it can). Its inductor
+    imports Triton's compiler internals, which change between releases: torch 2.4's, beside
+    triton 3.2, fails on import."""
+    try:
+        importlib.import_module("torch._inductor.compile_fx")
+    except Exception as e:  # noqa: BLE001 - whatever the import raises, the backend is unusable
+        return f"torch {torch.__version__}'s inductor cannot load ({type(e).__name__}: {e})"
     return None
 
 

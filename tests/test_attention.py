@@ -275,7 +275,7 @@ out = torch.empty_like(q)
 meta = {**flash_fwd.fwd_meta(q, k, v, out, 0.2, None, False, None, False), "EVEN_N": True}
 args = flash_fwd.fwd_args(q, k, v, None, out, None, 0.2)
 candidates = flash_fwd._prune(flash_fwd.fwd_configs(False), {"N_K": 256}, **meta)
-runtime.precompile((flash_fwd._attn_fwd_tuned, lambda META: (1, 1, 1), args, meta))
+runtime.precompile((flash_fwd.fwd_tuner(False), lambda META: (1, 1, 1), args, meta))
 cache = flash_fwd._attn_fwd_kernel.device_caches[0][0]
 print(len(candidates), len(cache), runtime._AsyncCompileMode is not None)
 """
@@ -302,6 +302,13 @@ class _Tuned(Exception):
     """Raised by a stand-in autotuner: the launcher went to autotune."""
 
 
+class _RaisingTuner:
+    """A stand-in autotuner: launching it raises :class:`_Tuned`."""
+
+    def __getitem__(self, grid):
+        raise _Tuned()
+
+
 SHIPPED = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 2, "num_stages": 2}  # no tuner's pick: seen only if shipped
 
 
@@ -321,8 +328,8 @@ def shipped_table(tmp_path, monkeypatch):
     for module in (flash_fwd, flash_bwd):
         monkeypatch.setattr(module, "interpreting", lambda: False)
         monkeypatch.setattr(module, "launch", lambda kernel, grid, args, consts, binaries, key: launches.append(consts))
-    for tuner in (flash_fwd._attn_fwd_tuned, flash_bwd._dq_tuned, flash_bwd._dkdv_tuned):
-        monkeypatch.setattr(tuner, "run", lambda *a, **k: (_ for _ in ()).throw(_Tuned()))
+    monkeypatch.setattr(flash_fwd, "fwd_tuner", lambda kv_tma: _RaisingTuner())
+    monkeypatch.setattr(flash_bwd, "bwd_tuners", lambda: (_RaisingTuner(), _RaisingTuner()))
     flash_fwd._plans.clear()
     flash_bwd._bwd_plans.clear()
 

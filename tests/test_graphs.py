@@ -246,6 +246,10 @@ def test_compile_marks_each_repeated_transformer_block_and_turns_the_caches_on(m
 
     from diffusers.models.attention import BasicTransformerBlock
 
+    from sdpatch.speed import compile_unavailable
+
+    if (reason := compile_unavailable()) is not None:
+        pytest.skip(reason)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr("sdpatch.speed.CACHE_DIR", tmp_path / "inductor")
     pipe = arch.sd_pipeline()
@@ -253,3 +257,16 @@ def test_compile_marks_each_repeated_transformer_block_and_turns_the_caches_on(m
     blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
     assert setup.compile and blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
+def test_compile_where_inductor_cannot_load_is_off_with_its_reason(monkeypatch):
+    """A torch whose inductor cannot load beside the installed Triton: --compile is off, it says
+    why, and nothing is compiled."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    monkeypatch.setattr("sdpatch.speed.compile_unavailable", lambda: "inductor cannot load (TypeError: stand-in)")
+    pipe = arch.sd_pipeline()
+    setup = speed_up(pipe, cuda_graphs=False, compile=True)
+    blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
+    assert not setup.compile and setup.notes == ["--compile off: inductor cannot load (TypeError: stand-in)"]
+    assert blocks and all(getattr(b, "_compiled_call_impl", None) is None for b in blocks)
