@@ -133,6 +133,10 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
     parameters; ``consts`` its constexprs and launch options.
     """
+    if _ahead is not None:  # compile_ahead: submit the compile, launch nothing
+        if key not in binaries:
+            kernel.warmup(*args, grid=grid, **consts)
+        return
     binary = binaries.get(key)
     if binary is not None:
         try:
@@ -224,7 +228,7 @@ _AsyncCompileMode = getattr(triton, "AsyncCompileMode", None)
 
 # Threads compiling a new layout's autotune candidates at once. Each compile holds a few hundred MiB
 # of host memory while it runs, so a handful, not one per core.
-COMPILE_THREADS = min(4, os.cpu_count() or 1)
+COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,6 +249,10 @@ def precompile(*calls: tuple) -> None:
     autotuner compiles each candidate itself, as it would have. Not for configs with a pre-hook
     (the TMA loads'): ``Autotuner.warmup`` does not run it, so it would compile other variants.
     """
+    if _ahead is not None:  # compile_ahead's: submitted into its mode, all at once
+        for tuner, grid, args, kwargs in calls:
+            tuner.warmup(*args, grid=grid, **kwargs)
+        return
     if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting():
         return
     try:
@@ -253,6 +261,39 @@ def precompile(*calls: tuple) -> None:
                 tuner.warmup(*args, grid=grid, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure leaves the compiling to the autotuner
         logger.debug("parallel precompile skipped (%s: %s)", type(e).__name__, e)
+
+
+_ahead = None  # the AsyncCompileMode of compile_ahead, while it runs
+
+
+def compile_ahead(run) -> bool:
+    """Call ``run()`` with every kernel launch of the launchers turned into a compile submitted to
+    :data:`COMPILE_THREADS` threads, and return when all have compiled: whether it ran.
+
+    A model's first call at a new size compiles one kernel per attention layout, one after another,
+    as each layer reaches it (seconds, at a UNet's dozen layouts). A dry call under this compiles
+    them all at once; its attention outputs are left unwritten, so its results are garbage, to be
+    thrown away, and the real call that follows finds every kernel compiled. Layouts the autotuners
+    have yet to tune get their candidates compiled (:func:`precompile`), and are tuned by that real
+    call. Needs Triton's async compile mode (not in the interpreter); where there is none, ``run``
+    is not called. Compile errors are left for the real call to raise.
+    """
+    global _ahead
+    if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting() or _ahead is not None:
+        return False
+    mode = _AsyncCompileMode(_compile_pool(), ignore_errors=True)
+    with mode:  # its exit waits for every compile submitted
+        _ahead = mode
+        try:
+            run()
+        finally:
+            _ahead = None
+    return True
+
+
+def compiling_ahead() -> bool:
+    """Whether launches are compile-only now (inside :func:`compile_ahead`)."""
+    return _ahead is not None
 
 
 class CompileOnlyDriver:

@@ -217,7 +217,8 @@ def speed_lines(speed: dict[str, Any] | None) -> list[str]:
     for name, st in (speed.get("graphs") or {}).items():
         eager = st["eager_calls"]
         lines.append(
-            f"CUDA graphs ({name}): {st['graphs']} captured in {st['capture_s']:.2f} s, pool "
+            f"CUDA graphs ({name}): {st['graphs']} captured in {st['capture_s']:.2f} s"
+            + (f" after compiling their kernels in {st['compile_s']:.2f} s" if st.get("compile_s") else "") + ", pool "
             f"{format_bytes(st['pool_bytes'])}, {st['replays']} calls replayed, {eager} eager"
             + (f" ({'; '.join(f'{r}: {n}' for r, n in st['eager_reasons'].items())})" if eager else "")
         )

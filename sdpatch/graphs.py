@@ -7,7 +7,10 @@ new input signature (the tree of arguments, with every tensor's shape, dtype, de
 every other value) runs eagerly ``warmup`` times (:data:`WARMUP_CALLS`), which autotunes and compiles
 the kernels, and is captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later
 call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
-first two steps carry the warm-up and the capture; every other step is a replay. All of a module's graphs share one memory pool, so graphs of
+first two steps carry the warm-up and the capture; every other step is a replay. Before a new
+signature's first warm-up call, a dry call compiles every attention kernel the warm-up will launch,
+all at once on a few threads (:func:`sdpatch.kernels.runtime.compile_ahead`), where they would
+otherwise compile one after another. All of a module's graphs share one memory pool, so graphs of
 several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
@@ -73,6 +76,7 @@ class GraphStats:
     replays: int = 0
     eager_calls: int = 0
     capture_s: float = 0.0  # host time spent capturing, all signatures
+    compile_s: float = 0.0  # host time of the dry calls that compile new signatures' kernels at once
     pool_bytes: int = 0  # CUDA memory reserved while capturing: the graphs' shared pool
     eager_reasons: dict[str, int] = field(default_factory=dict)  # reason -> calls
 
@@ -82,6 +86,7 @@ class GraphStats:
             "replays": self.replays,
             "eager_calls": self.eager_calls,
             "capture_s": round(self.capture_s, 4),
+            "compile_s": round(self.compile_s, 4),
             "pool_bytes": self.pool_bytes,
             "eager_reasons": dict(self.eager_reasons),
         }
@@ -137,6 +142,8 @@ class GraphRunner:
                 reason = self.failed[key]
         self._eager(reason)
         with _for_capture() if reason == WARMUP else contextlib.nullcontext():
+            if reason == WARMUP and self.seen[key] == 1:
+                self.stats.compile_s += _compile_ahead(lambda: self.forward(*args, **kwargs))
             output = self.forward(*args, **kwargs)
         if reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs:
             # Captured now, replayed from the next call on: the one-time cost stays in this call.
@@ -248,6 +255,22 @@ def _for_capture():
     from .kernels.forward import for_capture
 
     return for_capture()
+
+
+def _compile_ahead(run: Callable[[], Any]) -> float:
+    """Run a new signature's dry call, which compiles every attention kernel its warm-up will launch
+    at once (:func:`sdpatch.kernels.runtime.compile_ahead`); its seconds, 0 where it did not run."""
+    try:
+        from .kernels.runtime import compile_ahead
+    except Exception:  # noqa: BLE001 - no Triton here: nothing to compile
+        return 0.0
+    start = time.perf_counter()
+    try:
+        ran = compile_ahead(run)
+    except Exception as err:  # noqa: BLE001 - the warm-up compiles as it would have, and raises what it must
+        logger.debug("sdpatch: compiling ahead stopped (%s: %s)", type(err).__name__, err)
+        return time.perf_counter() - start
+    return time.perf_counter() - start if ran else 0.0
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

@@ -281,6 +281,55 @@ print(len(candidates), len(cache), runtime._AsyncCompileMode is not None)
 """
 
 
+# The same, through compile_ahead: a layout to tune and one with given tiles, called as a model's dry
+# call would; nothing is launched (the stand-in driver could not), and every kernel is compiled after.
+_AHEAD_SCRIPT = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+import torch, triton
+from sdpatch.kernels.runtime import CompileOnlyDriver
+
+triton.runtime.driver.set_active(CompileOnlyDriver())
+from sdpatch.kernels import flash_fwd, runtime
+
+q, k, v = (torch.empty(2, 256, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+meta = flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.2, None, False, None, False)
+candidates = flash_fwd._prune(flash_fwd.fwd_configs(False), {"N_K": 256}, **meta)
+q2, k2, v2 = (torch.empty(2, 128, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+def dry_call():
+    flash_fwd.fa2_attn_fwd(q, k, v, 0.2)
+    flash_fwd.fa2_attn_fwd(q2, k2, v2, 0.2, config=tiles)
+    print(runtime.compiling_ahead(), flush=True)
+
+ran = runtime.compile_ahead(dry_call)
+cache = flash_fwd._attn_fwd_kernel.device_caches[0][0]
+print(ran, len(candidates), len(cache), all(not isinstance(c, triton.runtime._async_compile.FutureKernel) or c.kernel is not None
+                                           for c in cache.values()), runtime.compiling_ahead())
+"""
+
+
+def test_compile_ahead_compiles_a_dry_calls_kernels_and_launches_none(tmp_path):
+    """A dry call under compile_ahead submits every kernel its launches would compile (the
+    autotuner's candidates of a new layout, the given tiles of another), launches none, and
+    returns once all have compiled."""
+    import subprocess
+    import sys
+
+    from sdpatch.kernels import runtime
+
+    if runtime._AsyncCompileMode is None or runtime.COMPILE_THREADS < 2:
+        pytest.skip("this Triton has no async compile mode, or the machine one core")
+    done = subprocess.run([sys.executable, "-c", _AHEAD_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    inside, ran, candidates, cached, finished, after = done.stdout.split()
+    assert (inside, ran, finished, after) == ("True", "True", "True", "False")
+    assert int(candidates) > 1 and int(cached) == int(candidates) + 1
+
+
 def test_precompile_leaves_every_candidate_compiled(tmp_path):
     """A layout's first call compiles the autotuner's candidates at once (runtime.precompile), so
     that the autotuner finds each in the kernel's cache: one cached kernel per pruned candidate."""

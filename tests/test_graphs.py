@@ -87,6 +87,37 @@ def test_first_call_warms_up_and_captures_then_replays(unet):
     assert runner.stats.eager_reasons == {graphs.WARMUP: 1}
 
 
+def test_a_new_signature_compiles_ahead_once_before_its_warm_up(unet, monkeypatch):
+    """A new signature's first warm-up call is preceded by one dry call under the kernels' capture
+    mode (it compiles what the warm-up launches); its second warm-up, its replays and a signature
+    seen before have none. Its time is in the stats."""
+    from sdpatch.kernels import forward
+
+    dry = []
+
+    def compile_ahead(run):
+        dry.append(forward._capture_depth)
+        run()
+        return 0.25
+
+    monkeypatch.setattr(graphs, "_compile_ahead", compile_ahead)
+    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for _ in range(4):  # two warm-up calls, the capture, a replay
+            runner(**kw)
+        assert dry == [1] and capture.captures == 1
+        runner(**{**kw, "sample": kw["sample"][:1], "timestep": kw["timestep"][:1],
+                  "encoder_hidden_states": kw["encoder_hidden_states"][:1]})
+    assert dry == [1, 1] and runner.stats.compile_s == 0.5 and runner.stats.to_dict()["compile_s"] == 0.5
+
+
+def test_compiling_ahead_where_it_cannot_run_takes_no_time(unet):
+    """Without Triton's async compile (here: the interpreter), the dry call does not run."""
+    calls = []
+    assert graphs._compile_ahead(lambda: calls.append(1)) == 0.0 and calls == []
+
+
 def test_replay_returns_a_copy_the_next_replay_does_not_overwrite(unet):
     runner, _ = fake_runner(unet)
     kw = arch.unet_inputs(unet)
