@@ -226,8 +226,8 @@ def shipped_config(launcher: str, device: torch.device, key: str):
 # Compiles submitted to an executor while the mode is on (triton 3.6 and 3.9 have it).
 _AsyncCompileMode = getattr(triton, "AsyncCompileMode", None)
 
-# Threads compiling a new layout's autotune candidates at once. Each compile holds a few hundred MiB
-# of host memory while it runs, so a handful, not one per core.
+# Threads compiling a new layout's autotune candidates, or a dry call's kernels, at once. Each compile
+# holds a few hundred MiB of host memory while it runs, so at most 8, not one per core.
 COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
