@@ -260,10 +260,12 @@ def _for_capture():
 def _compile_ahead(run: Callable[[], Any]) -> float:
     """Run a new signature's dry call, which compiles every attention kernel its warm-up will launch
     at once (:func:`sdpatch.kernels.runtime.compile_ahead`); its seconds, 0 where it did not run."""
-    try:
-        from .kernels.runtime import compile_ahead
-    except Exception:  # noqa: BLE001 - no Triton here: nothing to compile
+    from .attention.triton_backend import import_error
+
+    if import_error() is not None:  # no Triton here: nothing to compile
         return 0.0
+    from .kernels.runtime import compile_ahead
+
     start = time.perf_counter()
     try:
         ran = compile_ahead(run)

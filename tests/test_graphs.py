@@ -112,7 +112,7 @@ def test_a_new_signature_compiles_ahead_once_before_its_warm_up(unet, monkeypatc
     assert dry == [1, 1] and runner.stats.compile_s == 0.5 and runner.stats.to_dict()["compile_s"] == 0.5
 
 
-def test_compiling_ahead_where_it_cannot_run_takes_no_time(unet):
+def test_compiling_ahead_where_it_cannot_run_takes_no_time():
     """Without Triton's async compile (here: the interpreter), the dry call does not run."""
     calls = []
     assert graphs._compile_ahead(lambda: calls.append(1)) == 0.0 and calls == []
