@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import Plan, cached_plan, launch, on_device
+from .runtime import Plan, cached_plan, compile_later, compiling_ahead, launch, on_device
 from .shared import SERVES, split_parts
 
 try:  # Gluon's Hopper API: triton 3.5 and later
@@ -771,12 +771,27 @@ def hopper_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 _plans: dict[tuple, Plan] = {}  # the kernel's launches, by layout (see gluon_attn_fwd)
 
 
-def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The forward on this kernel, launched as the Triton kernels are: through the JIT once per
     layout, then straight to its binaries (:func:`sdpatch.kernels.runtime.launch`). Arguments and
-    results as :func:`sdpatch.kernels.flash_fwd.fa2_attn_fwd`'s, no mask (see :func:`serves`)."""
+    results as :func:`sdpatch.kernels.flash_fwd.fa2_attn_fwd`'s, no mask (see :func:`serves`).
+
+    None where the layout's kernels are not compiled yet and another kernel should serve the call:
+    a dry call (:func:`sdpatch.kernels.runtime.compile_ahead`) hands their compile, seconds long,
+    to background threads (:func:`sdpatch.kernels.runtime.compile_later`), and every call returns
+    None until it is done. A compile that failed turns this kernel off (:func:`disable`)."""
     plan = cached_plan(_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
                        lambda: Plan({}))
+    later = plan.meta.get("later")
+    if later is not None and (not later.done() or later.exception() is not None):
+        if later.done():
+            disable(later.exception())
+        return None
+    if later is None and compiling_ahead() and not plan.binaries:
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+        plan.meta["later"] = compile_later(q.device, launches(q, k, v, out, lse, scale))
+        return None
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
     bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors

@@ -8,8 +8,11 @@ descriptors are encoded per call, 80-160 us of host time against the Triton kern
 H200 hosts. So the Gluon kernel serves calls that will be replayed from a CUDA graph
 (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's warm-up and capture, so
 that the kernel it captures is the one its warm-up compiled), and eager calls only where the kernel
-is long enough to hide that host time (:data:`EAGER_GLUON_MIN_FLOP`). A Gluon launch that raises (an
-API this triton lacks) hands every later call to the Triton kernel, with one warning.
+is long enough to hide that host time (:data:`EAGER_GLUON_MIN_FLOP`). A Gluon kernel takes 2-3.5 s
+to compile, the Triton kernel about 1: a graph's dry call compiles the Gluon kernels in the
+background and the Triton kernel serves until they are done (:func:`flash_fwd_hopper.gluon_attn_fwd`;
+the graph is then captured again). A Gluon launch that raises (an API this triton lacks) hands
+every later call to the Triton kernel, with one warning.
 :func:`describe` says which variant, tiling and grid a call gets.
 """
 
@@ -64,14 +67,17 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention forward on the variant that serves the call; arguments and results as
     :func:`flash_fwd.fa2_attn_fwd`'s. Calls that pin the Triton kernel's tiling (``config``,
-    ``split_head_dim`` or ``kv_tma``) always get it."""
+    ``split_head_dim`` or ``kv_tma``) always get it, and so do Gluon's while its kernels compile."""
     if config is None and split_head_dim is None and kv_tma is None and gluon_serves(q, k, v, mask):
         try:
-            return flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale, return_lse)
+            result = flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale, return_lse)
         except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a Gluon API this triton lacks: fall back for good
             flash_fwd_hopper.disable(e)
+        else:
+            if result is not None:
+                return result
     return flash_fwd.fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, config, kv_tma)
 
 

@@ -265,6 +265,44 @@ def precompile(*calls: tuple) -> None:
 
 _ahead = None  # the AsyncCompileMode of compile_ahead, while it runs
 
+# Compiles a launch can do without for now: a faster variant of a kernel whose other variant serves
+# the call meanwhile (the Gluon forward: 2-3.5 s a compile, where the Triton kernel it stands in
+# for takes about 1). They run on threads of their own, which compile_ahead does not wait for, so
+# that a new size's first step does not wait for them; :func:`compiling_later` says when all are done.
+_later: set = set()
+# A compile found in Triton's on-disk cache loads in tens of milliseconds: compile_ahead waits this
+# long for the compiles it submitted later, so that a warm cache's variants serve from the first call.
+LATER_GRACE_S = 0.3
+
+
+@functools.lru_cache(maxsize=None)
+def _later_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sdpatch-compile-later")
+
+
+def compile_later(device: torch.device, launches: list[tuple]):
+    """Compile ``launches`` (each ``(kernel, grid, args, consts)``, as :func:`launch` takes them) on
+    background threads, without launching them; returns the future, whose exception is the first
+    compile's that failed. The kernels land in their JIT's cache for ``device``, so that their
+    first launch after the future is done compiles nothing."""
+
+    def build() -> None:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            for kernel, grid, args, consts in launches:
+                kernel.warmup(*args, grid=grid, **consts)
+
+    future = _later_pool().submit(build)
+    _later.add(future)
+    future.add_done_callback(_later.discard)
+    return future
+
+
+def compiling_later() -> bool:
+    """Whether any compile of :func:`compile_later` is still running."""
+    return bool(_later)
+
 
 def compile_ahead(run) -> bool:
     """Call ``run()`` with every kernel launch of the launchers turned into a compile submitted to
@@ -275,8 +313,10 @@ def compile_ahead(run) -> bool:
     them all at once; its attention outputs are left unwritten, so its results are garbage, to be
     thrown away, and the real call that follows finds every kernel compiled. Layouts the autotuners
     have yet to tune get their candidates compiled (:func:`precompile`), and are tuned by that real
-    call. Needs Triton's async compile mode (not in the interpreter); where there is none, ``run``
-    is not called. Compile errors are left for the real call to raise.
+    call. A launcher may hand a slow variant's compile to :func:`compile_later` instead, and its
+    stand-in's to this; those found in the disk cache are waited for (:data:`LATER_GRACE_S`). Needs
+    Triton's async compile mode (not in the interpreter); where there is none, ``run`` is not
+    called. Compile errors are left for the real call to raise.
     """
     global _ahead
     if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting() or _ahead is not None:
@@ -288,6 +328,10 @@ def compile_ahead(run) -> bool:
             run()
         finally:
             _ahead = None
+    if _later:
+        from concurrent.futures import wait
+
+        wait(list(_later), timeout=LATER_GRACE_S)
     return True
 
 

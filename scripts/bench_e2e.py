@@ -100,6 +100,9 @@ def summarize(report: dict) -> dict:
         "graph_pool": graphs.get("pool_bytes"),
         "graph_replays": graphs.get("replays"),
         "graph_eager": graphs.get("eager_calls"),
+        "graph_compile_s": graphs.get("compile_s"),
+        "graph_capture_s": graphs.get("capture_s"),
+        "graph_recaptures": graphs.get("recaptures"),
     }
 
 

@@ -10,8 +10,11 @@ call with that signature copies its tensors into the graph's inputs and replays 
 first two steps carry the warm-up and the capture; every other step is a replay. Before a new
 signature's first warm-up call, a dry call compiles every attention kernel the warm-up will launch,
 all at once on a few threads (:func:`sdpatch.kernels.runtime.compile_ahead`), where they would
-otherwise compile one after another. All of a module's graphs share one memory pool, so graphs of
-several sizes cost about the largest one's activations.
+otherwise compile one after another. Kernels that are slow to compile and have a stand-in (the
+Gluon forward, for which the Triton kernel stands in) compile in the background instead: the
+signature is warmed up and captured with the stand-ins, and captured again at its first call after
+they are done (one more warm-up call; ``recaptures`` in the stats). All of a module's graphs share
+one memory pool, so graphs of several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
 repeats: no compiler is involved, so there is no compile time, and the images equal eager's.
@@ -66,6 +69,7 @@ class _Entry:
     inputs: list[torch.Tensor]
     output: Any
     call: tuple  # (args, kwargs) of the captured call: ``inputs`` in their places
+    provisional: bool = False  # captured while faster kernels compiled: captured again once they are done
 
 
 @dataclass
@@ -73,6 +77,7 @@ class GraphStats:
     """What a module's graphs did, for the run report."""
 
     graphs: int = 0
+    recaptures: int = 0  # graphs captured again once the faster kernels compiled in the background were done
     replays: int = 0
     eager_calls: int = 0
     capture_s: float = 0.0  # host time spent capturing, all signatures
@@ -83,6 +88,7 @@ class GraphStats:
     def to_dict(self) -> dict:
         return {
             "graphs": self.graphs,
+            "recaptures": self.recaptures,
             "replays": self.replays,
             "eager_calls": self.eager_calls,
             "capture_s": round(self.capture_s, 4),
@@ -132,6 +138,9 @@ class GraphRunner:
         key, reason = self._signature(leaves, spec)
         if reason is None:
             entry = self.entries.get(key)
+            if entry is not None and entry.provisional and not _compiling_later():
+                self._drop(key)
+                entry = None
             if entry is not None:
                 return self._replay(entry, leaves)
             reason = self._why_not_capture(key)
@@ -212,12 +221,21 @@ class GraphRunner:
             logger.warning("sdpatch: CUDA-graph capture failed (%s); this input signature runs eagerly", why)
             _clear_capture_error()
             return None
-        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs))
+        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), _compiling_later())
         self.stats.graphs += 1
         self.stats.capture_s += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._reserved() - reserved)
         logger.info("sdpatch: captured a CUDA graph of %s in %.2f s", type(self.module).__name__, time.perf_counter() - start)
         return entry
+
+    def _drop(self, key) -> None:
+        """Drop a provisional graph: the next call warms the signature up once more (its kernels
+        compiled, no dry call), and captures it again with the kernels that were compiling."""
+        del self.entries[key]
+        self.seen[key] = self.warmup - 1
+        self.stats.graphs -= 1
+        self.stats.recaptures += 1
+        logger.info("sdpatch: kernels compiled in the background are ready; %s is captured again", type(self.module).__name__)
 
     def _replay(self, entry: _Entry, leaves: list):
         for dst, src in zip(entry.inputs, (t for t in leaves if isinstance(t, torch.Tensor))):
@@ -273,6 +291,18 @@ def _compile_ahead(run: Callable[[], Any]) -> float:
         logger.debug("sdpatch: compiling ahead stopped (%s: %s)", type(err).__name__, err)
         return time.perf_counter() - start
     return time.perf_counter() - start if ran else 0.0
+
+
+def _compiling_later() -> bool:
+    """Whether faster kernels are still compiling in the background while others stand in for them
+    (:func:`sdpatch.kernels.runtime.compile_later`): a graph captured now holds the stand-ins."""
+    from .attention.triton_backend import import_error
+
+    if import_error() is not None:
+        return False
+    from .kernels.runtime import compiling_later
+
+    return compiling_later()
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

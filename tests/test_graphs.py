@@ -112,6 +112,29 @@ def test_a_new_signature_compiles_ahead_once_before_its_warm_up(unet, monkeypatc
     assert dry == [1, 1] and runner.stats.compile_s == 0.5 and runner.stats.to_dict()["compile_s"] == 0.5
 
 
+def test_a_graph_captured_while_kernels_compile_is_captured_again_once_they_are_done(unet, monkeypatch):
+    """Captured while faster kernels still compiled in the background, a graph holds their stand-ins:
+    it replays until they are done, then the signature warms up once more (no dry call) and is
+    captured again; a graph captured after that is kept."""
+    from sdpatch.kernels import forward
+
+    compiling, dry = [True], []
+    monkeypatch.setattr(graphs, "_compiling_later", lambda: compiling[0])
+    monkeypatch.setattr(graphs, "_compile_ahead", lambda run: dry.append(forward._capture_depth) or 0.0)
+    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        want = unet(**kw).sample
+        outs = [runner(**kw).sample for _ in range(4)]  # two warm-ups (the second captures), two replays
+        assert capture.captures == 1 and runner.stats.replays == 2
+        compiling[0] = False
+        outs += [runner(**kw).sample for _ in range(3)]  # a warm-up that captures again, two replays
+    assert capture.captures == 2 and dry == [1] and runner.stats.replays == 4
+    assert runner.stats.graphs == 1 and runner.stats.recaptures == 1 and runner.stats.eager_calls == 3
+    assert not next(iter(runner.entries.values())).provisional
+    assert all(rel_err(out, want) < RTOL for out in outs)
+
+
 def test_compiling_ahead_where_it_cannot_run_takes_no_time():
     """Without Triton's async compile (here: the interpreter), the dry call does not run."""
     calls = []
