@@ -270,6 +270,9 @@ _ahead = None  # the AsyncCompileMode of compile_ahead, while it runs
 # for takes about 1). They run on threads of their own, which compile_ahead does not wait for, so
 # that a new size's first step does not wait for them; :func:`compiling_later` says when all are done.
 _later: set = set()
+# Those asked for inside compile_ahead start once its own compiles are done: much of a compile holds
+# the GIL (Triton's code generation is Python), so compiles running beside them would slow them.
+_deferred: list = []
 # A compile found in Triton's on-disk cache loads in tens of milliseconds: compile_ahead waits this
 # long for the compiles it submitted later, so that a warm cache's variants serve from the first call.
 LATER_GRACE_S = 0.3
@@ -288,15 +291,31 @@ def compile_later(device: torch.device, launches: list[tuple]):
     compile's that failed. The kernels land in their JIT's cache for ``device``, so that their
     first launch after the future is done compiles nothing."""
 
-    def build() -> None:
+    from concurrent.futures import Future
+
+    future = Future()
+    _later.add(future)
+    future.add_done_callback(_later.discard)
+    task = functools.partial(_build, future, device, launches)
+    if _ahead is not None:
+        _deferred.append(task)
+    else:
+        _later_pool().submit(task)
+    return future
+
+
+def _build(future, device: torch.device, launches: list[tuple]) -> None:
+    """:func:`compile_later`'s task: compile ``launches``, and settle ``future`` with the outcome."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for kernel, grid, args, consts in launches:
                 kernel.warmup(*args, grid=grid, **consts)
-
-    future = _later_pool().submit(build)
-    _later.add(future)
-    future.add_done_callback(_later.discard)
-    return future
+    except BaseException as e:  # noqa: BLE001 - the future carries it to the launcher
+        future.set_exception(e)
+    else:
+        future.set_result(None)
 
 
 def compiling_later() -> bool:
@@ -314,7 +333,8 @@ def compile_ahead(run) -> bool:
     thrown away, and the real call that follows finds every kernel compiled. Layouts the autotuners
     have yet to tune get their candidates compiled (:func:`precompile`), and are tuned by that real
     call. A launcher may hand a slow variant's compile to :func:`compile_later` instead, and its
-    stand-in's to this; those found in the disk cache are waited for (:data:`LATER_GRACE_S`). Needs
+    stand-in's to this: those start once this call's own compiles are done, and those found in the
+    disk cache are waited for (:data:`LATER_GRACE_S`). Needs
     Triton's async compile mode (not in the interpreter); where there is none, ``run`` is not
     called. Compile errors are left for the real call to raise.
     """
@@ -328,11 +348,19 @@ def compile_ahead(run) -> bool:
             run()
         finally:
             _ahead = None
+    start_deferred()
     if _later:
         from concurrent.futures import wait
 
         wait(list(_later), timeout=LATER_GRACE_S)
     return True
+
+
+def start_deferred() -> None:
+    """Start the compiles :func:`compile_later` deferred while a dry call compiled its own."""
+    for task in _deferred:
+        _later_pool().submit(task)
+    _deferred.clear()
 
 
 def compiling_ahead() -> bool:

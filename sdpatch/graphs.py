@@ -232,6 +232,8 @@ class GraphRunner:
         """Drop a provisional graph: the next call warms the signature up once more (its kernels
         compiled, no dry call), and captures it again with the kernels that were compiling."""
         del self.entries[key]
+        if not self.entries:  # PyTorch's allocator refuses captures into a pool whose last graph is gone
+            self._pool = None
         self.seen[key] = self.warmup - 1
         self.stats.graphs -= 1
         self.stats.recaptures += 1

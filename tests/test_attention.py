@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -328,6 +329,31 @@ def test_compile_ahead_compiles_a_dry_calls_kernels_and_launches_none(tmp_path):
     inside, ran, candidates, cached, finished, after = done.stdout.split()
     assert (inside, ran, finished, after) == ("True", "True", "True", "False")
     assert int(candidates) > 1 and int(cached) == int(candidates) + 1
+
+
+def test_a_compile_for_later_asked_in_a_dry_call_starts_after_the_dry_calls_own(monkeypatch):
+    """compile_later inside compile_ahead waits for the dry call's compiles to be done (start_deferred)
+    before it starts; its future then says when it is done, and compiling_later() until then."""
+    from sdpatch.kernels import runtime
+
+    built = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **consts):
+            built.append((args, grid, consts))
+
+    monkeypatch.setattr(runtime, "_ahead", object())  # inside a dry call
+    future = runtime.compile_later(torch.device("cpu"), [(Kernel(), (1, 1, 1), (7,), {"BLOCK": 16})])
+    assert runtime.compiling_later() and not future.running() and not built
+    monkeypatch.setattr(runtime, "_ahead", None)
+    runtime.start_deferred()
+    future.result(timeout=60)
+    assert built == [((7,), (1, 1, 1), {"BLOCK": 16})] and not runtime._deferred
+    for _ in range(100):  # the done callback runs on the compile thread, just after the result is set
+        if not runtime.compiling_later():
+            break
+        time.sleep(0.01)
+    assert not runtime.compiling_later()
 
 
 def test_precompile_leaves_every_candidate_compiled(tmp_path):

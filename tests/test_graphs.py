@@ -121,7 +121,8 @@ def test_a_graph_captured_while_kernels_compile_is_captured_again_once_they_are_
     compiling, dry = [True], []
     monkeypatch.setattr(graphs, "_compiling_later", lambda: compiling[0])
     monkeypatch.setattr(graphs, "_compile_ahead", lambda run: dry.append(forward._capture_depth) or 0.0)
-    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS)
+    pools = []
+    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS, pool_factory=lambda: pools.append(object()) or pools[-1])
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
         want = unet(**kw).sample
@@ -130,6 +131,7 @@ def test_a_graph_captured_while_kernels_compile_is_captured_again_once_they_are_
         compiling[0] = False
         outs += [runner(**kw).sample for _ in range(3)]  # a warm-up that captures again, two replays
     assert capture.captures == 2 and dry == [1] and runner.stats.replays == 4
+    assert len(pools) == 2  # the provisional graph was the pool's last: the new one takes a new pool
     assert runner.stats.graphs == 1 and runner.stats.recaptures == 1 and runner.stats.eager_calls == 3
     assert not next(iter(runner.entries.values())).provisional
     assert all(rel_err(out, want) < RTOL for out in outs)
