@@ -331,6 +331,77 @@ def test_compile_ahead_compiles_a_dry_calls_kernels_and_launches_none(tmp_path):
     assert int(candidates) > 1 and int(cached) == int(candidates) + 1
 
 
+# The same, with compile worker processes: the dry call's kernels compile there (a layout asked for
+# twice, once), nothing here; the launches after it find them in Triton's cache, under the same keys.
+_WORKERS_SCRIPT = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+import torch, triton
+from sdpatch.kernels.runtime import CompileOnlyDriver
+
+triton.runtime.driver.set_active(CompileOnlyDriver())
+from sdpatch.kernels import compile_workers, flash_fwd, runtime
+
+compile_workers._pool = compile_workers._Pool(90, 2)
+tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+layouts = [tuple(torch.empty(2, n, 2, d, dtype=torch.float16).transpose(1, 2) for _ in range(3)) for n, d in ((128, 40), (64, 64))]
+
+def dry_call():
+    for q, k, v in layouts + layouts[:1]:
+        flash_fwd.fa2_attn_fwd(q, k, v, 0.2, config=tiles)
+
+def binaries():
+    return sum(f.endswith(".cubin") for _, _, files in os.walk(sys.argv[1]) for f in files)
+
+ran = runtime.compile_ahead(dry_call)
+here, there = len(flash_fwd._attn_fwd_kernel.device_caches[0][0]), binaries()
+for q, k, v in layouts:  # what the launches do: compile, which finds the workers' binaries
+    meta = flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.2, None, False, None, False)
+    args = flash_fwd.fwd_args(q, k, v, None, torch.empty_like(q), None, 0.2)
+    flash_fwd._attn_fwd_kernel.warmup(*args, grid=(1, 1, 1), **meta, EVEN_N=True, **tiles)
+print(ran, here, there, binaries())
+"""
+
+
+def test_compile_ahead_compiles_in_worker_processes_into_the_cache_the_launches_read(tmp_path):
+    import subprocess
+    import sys
+
+    from sdpatch.kernels import runtime
+
+    if runtime._AsyncCompileMode is None or runtime.COMPILE_THREADS < 2:
+        pytest.skip("this Triton has no async compile mode, or the machine one core")
+    done = subprocess.run([sys.executable, "-c", _WORKERS_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "0", "2", "2"]
+
+
+def test_a_launch_a_worker_cannot_rebuild_stays_here():
+    """A TMA descriptor argument or a grid function: no request, compiled on compile_ahead's threads."""
+    from sdpatch.kernels import compile_workers, flash_fwd
+
+    q = torch.empty(2, 2, 64, 40, dtype=torch.float16)
+    assert compile_workers.request(flash_fwd._attn_fwd_kernel, (1, 1, 1), (q, None, 3, 0.5), {"EVEN_N": True}) is not None
+    assert compile_workers.request(flash_fwd._attn_fwd_kernel, (1, 1, 1), (q, object()), {}) is None
+    assert compile_workers.request(flash_fwd._attn_fwd_kernel, lambda meta: (1, 1, 1), (q,), {}) is None
+
+
+def test_compiles_queued_for_workers_that_stopped_fail_and_none_waits(monkeypatch):
+    """Workers that exit (here: at once) fail the compile they were given and, the last one, every
+    compile still queued; compile_ahead then compiles them at their launches."""
+    from sdpatch.kernels import compile_workers
+
+    monkeypatch.setattr(compile_workers, "_WORKER", "import sys")
+    monkeypatch.setattr(compile_workers, "_pool", compile_workers._Pool(90, 2))
+    assert compile_workers.running()
+    futures = [compile_workers.submit(("m", "k", (), (1, 1, 1), ())) for _ in range(5)]
+    errors = [f.exception(timeout=60) for f in futures]
+    assert all(isinstance(e, RuntimeError) for e in errors) and not compile_workers.running()
+    assert sum("stopped" in str(e) for e in errors) == 2
+
+
 def test_a_compile_for_later_asked_in_a_dry_call_starts_after_the_dry_calls_own(monkeypatch):
     """compile_later inside compile_ahead waits for the dry call's compiles to be done (start_deferred)
     before it starts; its future then says when it is done, and compiling_later() until then."""
