@@ -5,9 +5,7 @@ A launcher keeps a :class:`Plan` per input layout (:func:`cached_plan`): the con
 autotuner picked, and the compiled binaries, so that a layout seen before costs its launch and
 little else on the host. :func:`launch` goes through Triton's JIT once per (layout, tiles) and
 straight to the compiled binary after (:class:`Binary`): no C++ is built on the user's machine. A
-layout's first call compiles the autotuners' candidates on a few threads at once (:func:`precompile`),
-and a model's new input signature every kernel its first call launches, in worker processes
-(:func:`compile_ahead`).
+layout's first call compiles the autotuners' candidates on a few threads at once (:func:`precompile`).
 """
 
 from __future__ import annotations
@@ -137,7 +135,7 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     """
     if _ahead is not None:  # compile_ahead: submit the compile, launch nothing
         if key not in binaries:
-            _compile_ahead_of(kernel, grid, args, consts)
+            kernel.warmup(*args, grid=grid, **consts)
         return
     binary = binaries.get(key)
     if binary is not None:
@@ -266,19 +264,6 @@ def precompile(*calls: tuple) -> None:
 
 
 _ahead = None  # the AsyncCompileMode of compile_ahead, while it runs
-_in_workers: dict = {}  # compile_ahead's compiles in worker processes: request -> future
-
-
-def _compile_ahead_of(kernel, grid, args: tuple, consts: dict) -> None:
-    """A dry call's compile of one launch: in a worker process where one can take it (once a
-    request), else on compile_ahead's threads."""
-    from . import compile_workers
-
-    request = compile_workers.request(kernel, grid, args, consts) if compile_workers.running() else None
-    if request is None:
-        kernel.warmup(*args, grid=grid, **consts)
-    elif request not in _in_workers:
-        _in_workers[request] = compile_workers.submit(request)
 
 # Compiles a launch can do without for now: a faster variant of a kernel whose other variant serves
 # the call meanwhile (the Gluon forward: 2-3.5 s a compile, where the Triton kernel it stands in
@@ -288,9 +273,6 @@ _later: set = set()
 # Those asked for inside compile_ahead start once its own compiles are done: much of a compile holds
 # the GIL (Triton's code generation is Python), so compiles running beside them would slow them.
 _deferred: list = []
-# compile_ahead waits this long for its compiles in worker processes: past it, a stuck one is left
-# to the launch, which compiles it again.
-WORKER_TIMEOUT_S = 120
 # A compile found in Triton's on-disk cache loads in tens of milliseconds: compile_ahead waits this
 # long for the compiles it submitted later, so that a warm cache's variants serve from the first call.
 LATER_GRACE_S = 0.3
@@ -342,8 +324,7 @@ def compiling_later() -> bool:
 
 
 def compile_ahead(run) -> bool:
-    """Call ``run()`` with every kernel launch of the launchers turned into a compile, submitted to
-    the compile worker processes where they run (:mod:`sdpatch.kernels.compile_workers`) or to
+    """Call ``run()`` with every kernel launch of the launchers turned into a compile submitted to
     :data:`COMPILE_THREADS` threads, and return when all have compiled: whether it ran.
 
     A model's first call at a new size compiles one kernel per attention layout, one after another,
@@ -367,11 +348,6 @@ def compile_ahead(run) -> bool:
             run()
         finally:
             _ahead = None
-    if _in_workers:
-        from concurrent.futures import wait
-
-        wait(list(_in_workers.values()), timeout=WORKER_TIMEOUT_S)  # a failed one compiles again at its launch
-        _in_workers.clear()
     start_deferred()
     if _later:
         from concurrent.futures import wait

@@ -617,10 +617,6 @@ class Setup:
         if self.device.type == "cuda":
             # Triton launches on the current device, whatever device the tensors are on.
             torch.cuda.set_device(self.device)
-        if self.cuda_graphs:
-            from sdpatch import graphs
-
-            graphs.prepare(self.device)  # the kernels' compile workers import while the model loads
         pipe = load_pipeline(self.source, device=device or self.device, dtype=self.dtype)
         apply_backend(pipe, self.backend)
         applied = speed_up(pipe, cuda_graphs=self.cuda_graphs, compile=self.compile)

@@ -9,7 +9,7 @@ the kernels, and is captured into a ``torch.cuda.CUDAGraph`` right after the las
 call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
 first two steps carry the warm-up and the capture; every other step is a replay. Before a new
 signature's first warm-up call, a dry call compiles every attention kernel the warm-up will launch,
-all at once in worker processes (:func:`sdpatch.kernels.runtime.compile_ahead`), where they would
+all at once on a few threads (:func:`sdpatch.kernels.runtime.compile_ahead`), where they would
 otherwise compile one after another. Kernels that are slow to compile and have a stand-in (the
 Gluon forward, for which the Triton kernel stands in) compile in the background instead: the
 signature is warmed up and captured with the stand-ins, and captured again at its first call after
@@ -321,18 +321,6 @@ def _clear_capture_error() -> None:
             pass
 
 
-def prepare(device: torch.device) -> None:
-    """Start the worker processes that compile a new signature's kernels at once
-    (:mod:`sdpatch.kernels.compile_workers`), so that they are ready by its first call: before
-    loading a pipeline, they import while it loads. :func:`capture` calls it too."""
-    from .attention.triton_backend import import_error
-
-    if device.type == "cuda" and import_error() is None:
-        from .kernels import compile_workers
-
-        compile_workers.start(device)
-
-
 def capture(module: torch.nn.Module, **options) -> GraphRunner:
     """Replay ``module``'s forward from CUDA graphs from now on (see the module docs); idempotent.
 
@@ -343,9 +331,6 @@ def capture(module: torch.nn.Module, **options) -> GraphRunner:
     runner = getattr(module, _RUNNER, None)
     if runner is not None:
         return runner
-    device = next((p.device for p in module.parameters()), None)
-    if device is not None:
-        prepare(device)
     runner = GraphRunner(module, module.forward, **options)
     changes.record(module, GRAPHS, runner.reset)
     changes.record(module, GRAPHS, changes.attributes([(module, "forward"), (module, _RUNNER)]))
