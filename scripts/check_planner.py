@@ -9,8 +9,13 @@ without levers, and the error of the whole run's peak (the issue's target: withi
 issue's budgets through ``sdpatch.fit``: sd15 at 2048 px in 3.0 GiB and sdxl at 2048 px in 8.0 GiB,
 measured against the budget. ``--small-cards``: issue 29's budgets for 4-8 GB cards (SDXL 1024² in
 2 GiB, 2048² in 4; SD 1.5 512² in 1, 2048² in 2), each planned from a CPU load as ``generate`` does,
-against the unplanned run and the plan's diffusers weight levers applied by hand, in one table.
-Each run goes twice and the second is measured: the first compiles and
+against the unplanned run and the plan's diffusers weight levers applied by hand, in one table,
+with whether the plan's levers are all exact (``sdpatch.planner.EXACT_LEVERS``; SDXL 1024² in
+2 GiB must be). The by-hand run applies the plan's other levers through ``sdpatch.apply_plan``, as
+the plan does: they are sdpatch's own, the streamed VAE decode among them (diffusers has no such
+lever). Where a plan streams the decode, its image is set against the same plan's with diffusers'
+decoder (the same seed; over the budget, for the image only): the PSNR shows the streamed decode's
+exactness on the GPU. Each run goes twice and the second is measured: the first compiles and
 autotunes the Triton kernels. The allocator runs as the environment says; run the script once with
 and once without expandable segments, since the estimate's reserve over allocated differs
 (``sdpatch.planner.RESERVE_OVER_ACTIVATIONS``).
@@ -28,9 +33,10 @@ import torch
 
 import sdpatch
 from sdpatch.generate import apply_backend, measured_call
+from sdpatch.compare import image_difference
 from sdpatch.memory import PHASE_LABELS, MemoryMeter
 from sdpatch.models import build_preset
-from sdpatch.planner import GIB, expandable_segments_on, remove_plan
+from sdpatch.planner import EXACT_LEVERS, GIB, expandable_segments_on, remove_plan
 
 from _bench import environment
 
@@ -42,15 +48,15 @@ SMALL_STEPS = 4  # the small-card runs: step time, the median of the measured ru
 NO_LIMIT = 1024.0  # GiB: a budget that needs no lever, for the plain estimate
 
 
-def generate(pipe, size: int, steps: int = 3) -> list:
-    """One measured generation; returns its phases."""
+def generate(pipe, size: int, steps: int = 3) -> tuple[list, list]:
+    """One measured generation; returns its phases and images."""
     meter = MemoryMeter(pipe._execution_device)
     with torch.no_grad():
-        measured_call(
+        images = measured_call(
             pipe, meter, prompt="a photo of a cat", negative_prompt=None, height=size, width=size,
             steps=steps, guidance_scale=7.5, seed=0,
         )
-    return meter.phases
+    return meter.phases, images
 
 
 def release() -> None:
@@ -66,7 +72,7 @@ def check(pipe, name: str, size: int, budget: float) -> dict:
     try:
         generate(pipe, size)  # compiles and autotunes
         release()
-        phases = generate(pipe, size)
+        phases, _ = generate(pipe, size)
     finally:
         remove_plan(pipe)
     rows = []
@@ -83,27 +89,39 @@ def check(pipe, name: str, size: int, budget: float) -> dict:
     )
 
 
-def timed(pipe, size: int) -> tuple[list, float]:
-    """A measured generation of SMALL_STEPS steps after a warm-up one; its phases and seconds per
-    denoising step (the median of the measured run's steps after its first)."""
+def timed(pipe, size: int) -> tuple[list, float, list]:
+    """A measured generation of SMALL_STEPS steps after a warm-up one; its phases, seconds per
+    denoising step (the median of the measured run's steps after its first) and images."""
     generate(pipe, size, SMALL_STEPS)
     release()
-    phases = generate(pipe, size, SMALL_STEPS)
+    phases, images = generate(pipe, size, SMALL_STEPS)
     steps = next(p for p in phases if p.name == "denoising").step_seconds[1:]
-    return phases, sorted(steps)[len(steps) // 2]
+    return phases, sorted(steps)[len(steps) // 2], images
 
 
 def planned_run(pipe, size: int, budget: float) -> tuple:
     """``sdpatch.fit`` for ``budget`` GiB, as generate plans a CPU-loaded pipeline, then :func:`timed`;
-    the plan, its phases and step. The plan is removed after (the pipeline is back on the CPU)."""
+    the plan, its phases, step and images. The plan is removed after (the pipeline is back on the CPU)."""
     release()
     chosen = sdpatch.fit(pipe, budget, height=size, width=size, best_effort=True, device="cuda")
     try:
-        phases, step = timed(pipe, size)
+        phases, step, images = timed(pipe, size)
     finally:
         remove_plan(pipe)
     release()
-    return chosen, phases, step
+    return chosen, phases, step, images
+
+
+def unstreamed_images(pipe, size: int, levers) -> list:
+    """The images of ``levers`` without the streamed decode (diffusers' decoder; over a small
+    card's budget, run for its image only), the same seed and steps as :func:`timed`'s."""
+    sdpatch.apply_plan(pipe, replace(levers, vae_stream=None, vae_strip=None), device="cuda")
+    try:
+        _, images = generate(pipe, size, SMALL_STEPS)
+    finally:
+        remove_plan(pipe)
+    release()
+    return images
 
 
 def by_hand(pipe, levers) -> None:
@@ -139,37 +157,42 @@ def by_hand(pipe, levers) -> None:
         pipe.unet.register_forward_pre_hook(lambda *_: hook.offload())
 
 
-def small_cards(models: list[str]) -> list[dict]:
+def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]:
     """Issue 29's targets, each run three ways: planned (sdpatch.fit on a pipeline built on the CPU,
     as generate loads one for such a plan), the plan's weight levers by hand (with its other levers
     through sdpatch) between two planned runs, and unplanned; each model is built once on the CPU and
     once on the GPU.
-    ``models``: the presets whose targets run, in this order."""
+    ``models``: the presets whose targets run, in this order; ``sizes``: only these sizes' targets."""
     rows = []
     for name in models:
         cpu_pipe = build_preset(name, device="cpu", dtype=torch.float16)
         apply_backend(cpu_pipe, "auto")
         cpu_pipe.set_progress_bar_config(disable=True)
-        cases = [(size, budget) for model, size, budget in SMALL_CARDS if model == name]
+        cases = [(size, budget) for model, size, budget in SMALL_CARDS if model == name and (not sizes or size in sizes)]
         for size, budget in cases:
             # Planned, by hand, planned again (ABA): the planned step is the better of its two runs,
             # so that a drift in the host's speed does not read as the plan's cost.
-            chosen, phases, step = planned_run(cpu_pipe, size, budget)
+            chosen, phases, step, images = planned_run(cpu_pipe, size, budget)
             hand_step = None
             if sdpatch.planner.weight_levers(chosen.levers):
                 hand = copy.deepcopy(cpu_pipe)
                 others = replace(chosen.levers, text_encoder_offload=False, cpu_offload=False, group_offload=None,
                                  fp8_storage=False, sequential_offload=False)
-                # sdpatch's other levers first, on the CPU copy, as the plan orders them: split CFG
-                # inside diffusers' offload hooks (outside, it reserved 1.1 GiB more at SD 1.5 2048²).
+                # sdpatch's other levers (the streamed decode too) first, on the CPU copy, as the plan
+                # orders them: split CFG inside diffusers' offload hooks (outside, it reserved 1.1 GiB
+                # more at SD 1.5 2048²).
                 sdpatch.apply_plan(hand, others)
                 by_hand(hand, chosen.levers)
-                _, hand_step = timed(hand, size)
+                _, hand_step, _ = timed(hand, size)
                 del hand
                 release()
                 step = min(step, planned_run(cpu_pipe, size, budget)[2])
+            streamed_psnr = None
+            if chosen.levers.vae_stream:
+                streamed_psnr = image_difference(images, unstreamed_images(cpu_pipe, size, chosen.levers))[1]
             rows.append(dict(
                 model=name, size=size, budget_gib=budget, levers=[s.setting for s in chosen.steps], fits=chosen.fits,
+                exact=all(s.lever in EXACT_LEVERS for s in chosen.steps), streamed_psnr_db=streamed_psnr,
                 est_reserved=chosen.estimate.peak, reserved=max(p.peak_reserved for p in phases),
                 phases=[(p.name, p.peak_reserved) for p in phases], est_phases=[(p.name, p.reserved) for p in chosen.estimate.phases],
                 step=step, hand_step=hand_step, predicted_slowdown=chosen.step_slowdown,
@@ -182,7 +205,7 @@ def small_cards(models: list[str]) -> list[dict]:
         gpu_pipe.set_progress_bar_config(disable=True)
         for row in rows[-len(cases):]:
             try:
-                base, row["unplanned_step"] = timed(gpu_pipe, row["size"])
+                base, row["unplanned_step"], _ = timed(gpu_pipe, row["size"])
                 row["unplanned_reserved"] = max(p.peak_reserved for p in base)
             except torch.OutOfMemoryError:
                 row["unplanned_step"] = row["unplanned_reserved"] = None
@@ -190,14 +213,16 @@ def small_cards(models: list[str]) -> list[dict]:
         del gpu_pipe
         release()
     print(f"\nissue 29 targets ({SMALL_STEPS} steps after a warm-up run; peak reserved over the whole run):")
-    print("| model | size | budget | levers | est / measured reserved GiB | err | met | s/step | "
-          "vs unplanned (predicted) | vs by hand |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | size | budget | levers | exact | streamed decode PSNR | est / measured reserved GiB | err | met | "
+          "s/step | vs unplanned (predicted) | vs by hand |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['step'] / r['unplanned_step']:.2f}x" if r["unplanned_step"] else "unplanned OOM"
         hand = f"{r['step'] / r['hand_step']:.2f}x" if r["hand_step"] else "–"
         met = "yes" if r["reserved"] <= r["budget_gib"] * GIB else "NO"
+        psnr = "–" if r["streamed_psnr_db"] is None else f"{r['streamed_psnr_db']:.1f} dB"
         print(f"| {r['model']} | {r['size']}² | {r['budget_gib']:g} GiB | {'; '.join(r['levers']) or '–'} | "
+              f"{'yes' if r['exact'] else 'no'} | {psnr} | "
               f"{r['est_reserved'] / GIB:.2f} / {r['reserved'] / GIB:.2f} | {r['est_reserved'] / r['reserved'] - 1:+.1%} | "
               f"{met} | {r['step']:.3f} | {ratio} ({r['predicted_slowdown']:.1f}x) | {hand} |")
     print("\nper phase, estimated / measured reserved GiB:")
@@ -212,9 +237,10 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--models", default="sd15,sdxl", help="comma-separated presets (default: sd15,sdxl)")
     ap.add_argument("--small-cards", action="store_true", help="only issue 29's small-card targets (several minutes per model)")
+    ap.add_argument("--sizes", help="comma-separated sizes: only those small-card targets")
     args = ap.parse_args()
     if args.small_cards:
-        rows = small_cards(args.models.split(","))
+        rows = small_cards(args.models.split(","), [int(x) for x in args.sizes.split(",")] if args.sizes else None)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"env": environment(), "small_cards": rows}, f, indent=1)

@@ -5,6 +5,9 @@
 - :mod:`~sdpatch.planner.spec`: a loaded pipeline and its device read into a :class:`ModelSpec`
   and a :class:`DeviceState`.
 - :mod:`~sdpatch.planner.levers`: the levers' settings, :func:`apply_plan` and :func:`remove_plan`.
+- :mod:`~sdpatch.planner.streamed_decode`: the exact low-memory VAE decode (the ``vae_streaming``
+  lever): the decoder's up blocks in strips of rows, their whole tensors on the device or in
+  pinned host memory.
 - :mod:`~sdpatch.planner.search`: the levers a budget needs (:func:`plan_for`, :func:`plan`,
   :func:`fit`, :func:`plan_from_configs`) and a plan's report lines.
 """
@@ -24,6 +27,7 @@ from sdpatch.planner.estimator import (
     PhaseEstimate,
     PlannerError,
     RunShape,
+    decode_host,
     decode_peak,
     estimate,
     host_weights,
@@ -43,6 +47,7 @@ from sdpatch.planner.levers import (
     weight_levers,
 )
 from sdpatch.planner.search import (
+    STREAM_STRIPS,
     Plan,
     PlanStep,
     estimate_lines,
@@ -66,6 +71,7 @@ __all__ = [
     "PHASES",
     "RESERVE_OVER_ACTIVATIONS",
     "STEP_SLOWDOWN",
+    "STREAM_STRIPS",
     "AttentionCost",
     "DeviceState",
     "Estimate",
@@ -77,6 +83,7 @@ __all__ = [
     "PlannerError",
     "RunShape",
     "apply_plan",
+    "decode_host",
     "decode_peak",
     "device_state",
     "estimate",

@@ -15,10 +15,18 @@ convolution's input plus output bytes (:data:`CONV_WORKSPACE`). What this does n
 autotuning's scratch buffer on a shape's first run, and reserved memory under expandable
 segments, which was never measured (:data:`RESERVE_OVER_ACTIVATIONS`). ``scripts/check_planner.py``
 compares estimates with measured peaks on a GPU.
+
+The streamed VAE decode (:mod:`~sdpatch.planner.streamed_decode`) is replayed the same way, strip
+by strip, and matches its own allocations exactly on the CPU and the meta device (tests). Not yet
+measured on a GPU, and assumed as for diffusers' decoder: cuDNN's workspace on its strip
+convolutions (:data:`CONV_WORKSPACE`), the reserve over allocated of its per-layer whole tensors
+and strips (:data:`RESERVE_OVER_ACTIVATIONS`), and the time of its host store's copies
+(:data:`HOST_TO_DEVICE_BYTES_PER_S`); ``scripts/check_planner.py --small-cards`` measures them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -26,6 +34,7 @@ from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.errors import InputError
 from sdpatch.memory import MIB, PHASE_LABELS
 from sdpatch.planner.levers import Levers
+from sdpatch.planner.streamed_decode import host_buffers, pinned_bytes
 
 GIB = 1024**3
 
@@ -85,7 +94,9 @@ STEP_SLOWDOWN = {
     "sequential_offload": 2 * 350 / 142,
 }
 
-HOST_TO_DEVICE_BYTES_PER_S = 12e9  # pageable copies over PCIe 4/5 x16: an assumption, not measured
+# Pageable copies over PCIe 4/5 x16: an assumption, not measured. The streamed decode's host store
+# is pinned, which copies faster: for it, an upper bound.
+HOST_TO_DEVICE_BYTES_PER_S = 12e9
 
 TEXT_TOKENS = 77  # CLIP's context: diffusers pads every prompt to it
 
@@ -117,6 +128,7 @@ class ModelSpec:
 
     ``weights`` are bytes per component; ``resident`` names the components whose weights are on
     the run device now. ``vae_upcast``: the pipeline decodes in fp32 (SDXL's ``force_upcast``).
+    ``streamed_decode``: :mod:`~sdpatch.planner.streamed_decode` can compute the VAE's decoder.
     ``attention`` is each component's attention cost now (keys ``unet``, ``vae``);
     ``auto_attention`` what sdpatch's ``auto`` backend would give it on this device.
     """
@@ -128,6 +140,7 @@ class ModelSpec:
     resident: frozenset[str]
     dtype_bytes: int
     vae_upcast: bool = False
+    streamed_decode: bool = False
     attention: dict[str, AttentionCost] = field(default_factory=dict)
     auto_attention: dict[str, AttentionCost] = field(default_factory=dict)  # what sdpatch auto would give
     triton: bool = False  # some layer runs sdpatch's Triton kernel: autotuning on a first run
@@ -442,7 +455,6 @@ def _vae_attention(m: _Live, g: _Grid, channels: int, cost: AttentionCost, site:
         m.free(copy)
     buffer = _score_buffer(cost, g.batch, 1, g.tokens, g.tokens, channels, g.elem, upcast=True)
     o = m.new(g(channels), site + ".attention", buffer)
-    m.free(n)
     lin = m.new(g(channels), site)  # to_out
     m.free(o)
     back = m.new(g(channels), site)  # (B, N, C) -> (B, C, H, W)
@@ -450,26 +462,38 @@ def _vae_attention(m: _Live, g: _Grid, channels: int, cost: AttentionCost, site:
     res = m.new(g(channels), site)  # + residual
     m.free(back)
     out = m.new(g(channels), site)  # / rescale_output_factor
-    m.free(res, qkv)
+    # The norm's output is the key and value input too (encoder_hidden_states in diffusers'
+    # AttnProcessor2_0, x_k and x_v in sdpatch's): it lives until the processor returns.
+    m.free(res, qkv, n)
     return out
+
+
+def _vae_head(m: _Live, spec: ModelSpec, g: _Grid) -> tuple[float, float]:
+    """diffusers' AutoencoderKL._decode up to the decoder's mid block (post-quant conv, conv_in,
+    the mid block); returns the post-quant conv's output bytes (held until the decoder returns)
+    and the mid block's output bytes."""
+    cfg = spec.vae
+    cost = spec.attention.get("vae", AttentionCost())
+    latent = cfg["latent_channels"]
+    post = m.conv(g(latent), g(latent), "post_quant_conv") if cfg.get("use_post_quant_conv", True) else 0
+    c = cfg["block_out_channels"][-1]
+    hs = m.conv(g(latent), g(c), "decoder.conv_in")
+    site = "decoder.mid_block"
+    r = _resnet(m, g, c, c, site + ".resnets.0", temb=False)
+    a = _vae_attention(m, g, c, cost, site + ".attentions.0")
+    m.free(r)
+    r = _resnet(m, g, c, c, site + ".resnets.1", temb=False)
+    m.free(a, hs)
+    return post, r
 
 
 def _vae_decoder(m: _Live, spec: ModelSpec, lat_h: int, lat_w: int, batch: int, elem: int) -> float:
     """diffusers' AutoencoderKL._decode (post-quant conv and Decoder.forward); returns the image's bytes."""
     cfg = spec.vae
-    cost = spec.attention.get("vae", AttentionCost())
     g = _Grid(lat_h, lat_w, batch, elem)
-    latent = cfg["latent_channels"]
-    post = m.conv(g(latent), g(latent), "post_quant_conv") if cfg.get("use_post_quant_conv", True) else 0
+    post, hs = _vae_head(m, spec, g)
     rev = list(cfg["block_out_channels"])[::-1]
-    hs = m.conv(g(latent), g(rev[0]), "decoder.conv_in")
-    site = "decoder.mid_block"
-    r = _resnet(m, g, rev[0], rev[0], site + ".resnets.0", temb=False)
-    a = _vae_attention(m, g, rev[0], cost, site + ".attentions.0")
-    m.free(r)
-    r = _resnet(m, g, rev[0], rev[0], site + ".resnets.1", temb=False)
-    m.free(a, hs)
-    hs, c_prev = r, rev[0]
+    c_prev = rev[0]
     for i, c_out in enumerate(rev):
         site = f"decoder.up_blocks.{i}"
         cur = hs  # the decoder holds the block's input until it returns
@@ -493,6 +517,211 @@ def _vae_decoder(m: _Live, spec: ModelSpec, lat_h: int, lat_w: int, batch: int, 
     image = m.conv(act, g(cfg["out_channels"]), "decoder.conv_out")
     m.free(act, post)
     return image
+
+
+@dataclass
+class _Store:
+    """The streamed decode's whole tensors: on the device (in the liveness), or in host buffers
+    (:func:`~sdpatch.planner.streamed_decode.host_buffers`); and the bytes its strips move between
+    the host and the device."""
+
+    m: _Live
+    host: bool
+    sizes: list[int] = field(default_factory=list)  # of each tensor stored, in turn
+    copied: float = 0
+
+    def new(self, nbytes: float, site: str) -> float:
+        if self.host:
+            self.sizes.append(int(nbytes))
+        else:
+            self.m.new(nbytes, site)
+        return nbytes
+
+    def free(self, nbytes: float) -> None:
+        if not self.host:
+            self.m.free(nbytes)
+
+    @property
+    def pinned(self) -> int:
+        """The host buffers' pinned bytes, as PyTorch's pinned allocator rounds them."""
+        return sum(pinned_bytes(n) for n in host_buffers(self.sizes)) if self.sizes else 0
+
+    def read(self, nbytes: float, site: str) -> float:
+        """A strip of a stored tensor on the device: a view of a device store, a copy of a host one."""
+        if not self.host:
+            return 0
+        self.copied += nbytes
+        return self.m.new(nbytes, site)
+
+    def write(self, nbytes: float, site: str) -> None:
+        """A strip into the store: a host store takes a contiguous copy of it over the bus."""
+        if self.host:
+            self.copied += nbytes
+            self.m.free(self.m.new(nbytes, site))
+
+
+class _StreamedDecode:
+    """:mod:`~sdpatch.planner.streamed_decode`'s decode, allocation by allocation on the device:
+    the head as diffusers runs it, then each layer's strips (its ``_resnet``, ``_upsample`` and
+    output loop, step by step). Every strip frees what it allocates, so each distinct strip shape
+    is replayed once; one sample's strips at a time (the stores hold the batch)."""
+
+    def __init__(self, m: _Live, spec: ModelSpec, g: _Grid, strip: int, host: bool) -> None:
+        self.m, self.g, self.strip = m, g, strip
+        self.store = _Store(m, host)
+        self.h, self.w = g.h, g.w  # the current layer's output size
+        self.image_h = g.h * 2 ** (len(spec.vae["block_out_channels"]) - 1)
+        self.wide = 4 / g.elem if g.elem < 4 else 0  # half types: norms and statistics take a float32 copy
+
+    def rows(self, c: int, n: int, w: int) -> float:
+        """Bytes of ``n`` rows of one sample's ``c`` channels, ``w`` wide."""
+        return c * n * w * self.g.elem
+
+    def norm_act(self, c: int, n: int, valid: int, w: int, site: str) -> float:
+        buf = self.m.new(self.rows(c, n, w), site)  # the zero-padded strip
+        self.m.free(self.m.new(self.wide * self.rows(c, valid, w), site))
+        return buf
+
+    def read_act(self, c: int, lo: int, hi: int, site: str) -> float:
+        """Rows [lo, hi) of a stored tensor, normalized and activated (``_read_act``)."""
+        a, e = max(lo, 0), min(hi, self.h)
+        r = self.store.read(self.rows(c, e - a, self.w), site)
+        buf = self.norm_act(c, hi - lo, e - a, self.w, site)
+        self.m.free(r)
+        return buf
+
+    def written(self, c: int, n: int, normed: bool, site: str) -> None:
+        """A strip into the store, and its statistics where a group norm follows."""
+        self.store.write(self.rows(c, n, self.w), site)
+        if normed:
+            self.stats(c, n, site)
+
+    def stats(self, c: int, n: int, site: str) -> None:
+        self.m.free(self.m.new(self.wide * self.rows(c, n, self.w), site))
+
+    def each_strip(self, replay: Callable[[int, int], None]) -> None:
+        """Replay each distinct strip of the current layer (its size, its halo's reach into the
+        borders, the parity of its ends, which halves an upsampler reads), and count the copies
+        of every sample's strips."""
+        height = self.h
+        rows = max(1, self.strip * height // self.image_h)
+        done: dict[tuple[int, ...], float] = {}
+        start, copied = self.store.copied, 0.0
+        for lo in range(0, height, rows):
+            hi = min(lo + rows, height)
+            key = (hi - lo, min(lo, 2), min(height - hi, 2), lo % 2, hi % 2)
+            if key not in done:
+                before = self.store.copied
+                replay(lo, hi)
+                done[key] = self.store.copied - before
+            copied += done[key]
+        self.store.copied = start + self.g.batch * copied
+
+    def stored(self, c: int, site: str) -> float:
+        """The mid block's whole output into the store, sample by sample."""
+        x = self.store.new(self.g(c), site)
+        for _ in range(self.g.batch):
+            self.written(c, self.h, True, site)
+        return x
+
+    def resnet(self, c_in: int, c_out: int, normed: bool, site: str) -> float:
+        m, h, w = self.m, self.h, self.w
+
+        def statistics(lo: int, hi: int) -> None:
+            buf = self.read_act(c_in, lo - 1, hi + 1, site + ".norm1")
+            y = m.conv(buf, self.rows(c_out, hi - lo, w), site + ".conv1 (statistics pass)")
+            m.free(buf)
+            self.stats(c_out, hi - lo, site)
+            m.free(y)
+
+        def output(lo: int, hi: int) -> None:
+            h_lo, h_hi = max(lo - 1, 0), min(hi + 1, h)
+            a, e = max(h_lo - 1, 0), min(h_hi + 1, h)
+            s = self.store.read(self.rows(c_in, e - a, w), site)  # kept for the shortcut
+            buf = self.norm_act(c_in, h_hi - h_lo + 2, e - a, w, site + ".norm1")
+            y1 = m.conv(buf, self.rows(c_out, h_hi - h_lo, w), site + ".conv1")
+            m.free(buf)
+            act = self.norm_act(c_out, hi - lo + 2, h_hi - h_lo, w, site + ".norm2")
+            m.free(y1)
+            y = m.conv(act, self.rows(c_out, hi - lo, w), site + ".conv2")
+            m.free(act)
+            if c_in != c_out:
+                contiguous = m.new(self.rows(c_in, hi - lo, w), site)
+                shortcut = m.conv(contiguous, self.rows(c_out, hi - lo, w), site + ".conv_shortcut")
+                m.free(contiguous, s)
+                s = shortcut
+            o = m.new(self.rows(c_out, hi - lo, w), site)
+            m.free(s, y)
+            self.written(c_out, hi - lo, normed, site)
+            m.free(o)
+
+        self.each_strip(statistics)
+        out = self.store.new(self.g(c_out), site)
+        self.each_strip(output)
+        return out
+
+    def upsample(self, c_in: int, c_out: int, normed: bool, site: str) -> float:
+        m = self.m
+        self.h, self.w, self.g = 2 * self.h, 2 * self.w, self.g.up()
+        h, w = self.h, self.w
+
+        def output(lo: int, hi: int) -> None:
+            a, e = max(lo - 1, 0), min(hi + 1, h)
+            first, last = a // 2, (e + 1) // 2
+            r = self.store.read(self.rows(c_in, last - first, w // 2), site)
+            up = m.new(self.rows(c_in, 2 * (last - first), w), site)
+            m.free(r)
+            buf = m.new(self.rows(c_in, hi - lo + 2, w), site)
+            m.free(up)
+            y = m.conv(buf, self.rows(c_out, hi - lo, w), site + ".conv")
+            m.free(buf)
+            self.written(c_out, hi - lo, normed, site)
+            m.free(y)
+
+        out = self.store.new(self.g(c_out), site)
+        self.each_strip(output)
+        return out
+
+    def image(self, c: int, c_out: int) -> None:
+        """conv_norm_out, SiLU and conv_out, strip by strip into the image (on the device)."""
+        m, site = self.m, "decoder.conv_out"
+        m.new(self.g(c_out), site)
+
+        def output(lo: int, hi: int) -> None:
+            buf = self.read_act(c, lo - 1, hi + 1, "decoder.conv_norm_out")
+            m.free(m.conv(buf, self.rows(c_out, hi - lo, self.w), site), buf)
+
+        self.each_strip(output)
+
+
+def _streamed_decoder(
+    m: _Live, spec: ModelSpec, lat_h: int, lat_w: int, batch: int, elem: int, strip: int, host: bool
+) -> _Store:
+    """The streamed decode (:class:`_StreamedDecode`) in ``strip`` image rows, with a host store or
+    a device one; returns the store (its host buffers, the bytes copied)."""
+    cfg = spec.vae
+    g = _Grid(lat_h, lat_w, batch, elem)
+    post, hs = _vae_head(m, spec, g)
+    run = _StreamedDecode(m, spec, g, strip, host)
+    rev = list(cfg["block_out_channels"])[::-1]
+    layers = []  # (site, input channels, output channels, upsamples)
+    for i, c_out in enumerate(rev):
+        c_in = rev[max(i - 1, 0)]
+        for j in range(cfg["layers_per_block"] + 1):
+            layers.append((f"decoder.up_blocks.{i}.resnets.{j}", c_in if j == 0 else c_out, c_out, False))
+        if i < len(rev) - 1:
+            layers.append((f"decoder.up_blocks.{i}.upsamplers.0", c_out, c_out, True))
+    x = run.stored(rev[0], "decoder.mid_block (stored)")
+    m.free(hs)
+    for k, (site, c_in, c_out, upsamples) in enumerate(layers):
+        normed = k + 1 == len(layers) or not layers[k + 1][3]  # the next layer starts with a group norm
+        out = (run.upsample if upsamples else run.resnet)(c_in, c_out, normed, site)
+        run.store.free(x)
+        x = out
+    run.image(rev[-1], cfg["out_channels"])
+    run.store.free(x)
+    m.free(post)
+    return run.store
 
 
 def _text_activations(spec: ModelSpec) -> float:
@@ -522,35 +751,80 @@ def unet_peak(
     return int(m.peak), f"unet.{m.site}"
 
 
-def decode_peak(spec: ModelSpec, shape: RunShape, *, tile: int | None = None, cuda: bool = False) -> tuple[int, str]:
-    """Peak bytes of the VAE decode (diffusers' AutoencoderKL.decode, whole or in ``tile`` pixel
-    tiles; in fp32 where the pipeline upcasts the VAE) over its weights and input, and where."""
+@dataclass(frozen=True)
+class _Decode:
+    """A decode's device peak and where, and with the streamed decode's host store, its pinned
+    host bytes at their peak and the bytes its strips copy between host and device."""
+
+    peak: float
+    site: str
+    host: float = 0
+    copied: float = 0
+
+
+def _stream(levers: Levers) -> tuple[str, int] | None:
+    """The streamed decode's store and strip rows, if the lever is on."""
+    return (levers.vae_stream, levers.vae_strip) if levers.vae_stream and levers.vae_strip else None
+
+
+def _decoder_run(
+    spec: ModelSpec, lat_h: int, lat_w: int, batch: int, elem: int, workspace: float, stream: tuple[str, int] | None
+) -> _Decode:
+    m = _Live(workspace)
+    if stream is None:
+        _vae_decoder(m, spec, lat_h, lat_w, batch, elem)
+        return _Decode(m.peak, f"vae.{m.site}")
+    store, strip = stream
+    held = _streamed_decoder(m, spec, lat_h, lat_w, batch, elem, strip, store == "host")
+    return _Decode(m.peak, f"vae.{m.site} (streamed, {strip} px strips, {store} store)", held.pinned, held.copied)
+
+
+def _decode(spec: ModelSpec, shape: RunShape, tile: int | None, stream: tuple[str, int] | None, cuda: bool) -> _Decode:
+    """The VAE decode (diffusers' AutoencoderKL.decode, whole or in ``tile`` pixel tiles, each
+    decoded by diffusers' decoder or streamed; in fp32 where the pipeline upcasts the VAE)."""
     workspace = CONV_WORKSPACE if cuda else 0.0
     elem = 4 if spec.vae_upcast else spec.dtype_bytes
     lat_h, lat_w = shape.height // spec.vae_scale, shape.width // spec.vae_scale
     tile_lat = tile // spec.vae_scale if tile else None
     if tile_lat is None or (lat_h <= tile_lat and lat_w <= tile_lat):
-        m = _Live(workspace)
-        _vae_decoder(m, spec, lat_h, lat_w, shape.batch, elem)
-        return int(m.peak), f"vae.{m.site}"
+        return _decoder_run(spec, lat_h, lat_w, shape.batch, elem, workspace, stream)
     # Every decoded tile is kept until all are blended, then joined row by row.
     out_px = shape.batch * spec.vae["out_channels"] * spec.vae_scale**2 * elem
-    peak, site, kept = 0.0, "", 0.0
-    by_size: dict[tuple[int, int], tuple[float, str]] = {}
+    peak, site, kept, host, copied = 0.0, "", 0.0, 0.0, 0.0
+    by_size: dict[tuple[int, int], _Decode] = {}
     for th in _tiles(lat_h, tile_lat):
         for tw in _tiles(lat_w, tile_lat):
             if (th, tw) not in by_size:
-                m = _Live(workspace)
-                _vae_decoder(m, spec, th, tw, shape.batch, elem)
-                by_size[th, tw] = m.peak, m.site
-            tile_peak, tile_site = by_size[th, tw]
-            if kept + tile_peak > peak:
-                peak, site = kept + tile_peak, f"vae, tile {th * spec.vae_scale}x{tw * spec.vae_scale}: {tile_site}"
+                by_size[th, tw] = _decoder_run(spec, th, tw, shape.batch, elem, workspace, stream)
+            run = by_size[th, tw]
+            if kept + run.peak > peak:
+                peak, site = kept + run.peak, f"vae, tile {th * spec.vae_scale}x{tw * spec.vae_scale}: {run.site}"
             kept += th * tw * out_px
+            host, copied = max(host, run.host), copied + run.copied
     image = lat_h * lat_w * out_px
     if kept + 2 * image > peak:
         peak, site = kept + 2 * image, "vae.tiled_decode: blending the tiles"
-    return int(peak), site
+    return _Decode(peak, site, host, copied)
+
+
+def decode_peak(
+    spec: ModelSpec, shape: RunShape, *, tile: int | None = None, stream: tuple[str, int] | None = None, cuda: bool = False
+) -> tuple[int, str]:
+    """Peak bytes of the VAE decode over its weights and input, and where: diffusers'
+    AutoencoderKL.decode, whole or in ``tile`` pixel tiles, with diffusers' decoder or, with
+    ``stream`` (store, strip rows), :mod:`~sdpatch.planner.streamed_decode`'s."""
+    run = _decode(spec, shape, tile, stream, cuda)
+    return int(run.peak), run.site
+
+
+def decode_host(spec: ModelSpec, shape: RunShape, levers: Levers) -> tuple[int, int]:
+    """The streamed decode's host store under ``levers``: its pinned bytes at their peak, and the
+    bytes its strips copy between host and device per pipeline call (0, 0 without a host store)."""
+    stream = _stream(levers)
+    if stream is None or stream[0] != "host":
+        return 0, 0
+    run = _decode(spec, shape, levers.vae_tile, stream, cuda=True)
+    return int(run.host), int(run.copied)
 
 
 @dataclass(frozen=True)
@@ -634,12 +908,13 @@ def estimate(
     reserve = RESERVE_OVER_ACTIVATIONS[expandable]
     micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
     unet, unet_site = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=device.cuda)
-    decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, cuda=device.cuda)
+    stream = _stream(levers)
+    decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, stream=stream, cuda=device.cuda)
     # The convolutions' workspace outside the tensors (oneDNN's reorders) on the host.
     workspace = {"text_encoding": 0, "denoising": 0, "vae_decode": 0}
     if not device.cuda:
         workspace["denoising"] = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=True)[0] - unet
-        workspace["vae_decode"] = decode_peak(spec, shape, tile=levers.vae_tile, cuda=True)[0] - decode
+        workspace["vae_decode"] = decode_peak(spec, shape, tile=levers.vae_tile, stream=stream, cuda=True)[0] - decode
     # Latents, guidance and the scheduler's fp32 step: a few latent-sized tensors per UNet sample.
     pixels = (shape.height // spec.vae_scale) * (shape.width // spec.vae_scale)
     latent = shape.unet_batch * spec.unet["in_channels"] * pixels * 4
@@ -734,9 +1009,10 @@ def host_weights(spec: ModelSpec, levers: Levers) -> int:
     return total
 
 
-def slowdown(spec: ModelSpec, levers: Levers) -> tuple[float, float]:
+def slowdown(spec: ModelSpec, shape: RunShape, levers: Levers) -> tuple[float, float]:
     """The plan's expected cost: a factor on each denoising step (:data:`STEP_SLOWDOWN`) and the
-    seconds per image of copying whole models to the device (text encoder and model offload)."""
+    seconds per image of host-device copies: whole models (text encoder and model offload) and the
+    streamed decode's strips with a host store, at :data:`HOST_TO_DEVICE_BYTES_PER_S`."""
     factor = 1.0
     if levers.sequential_offload:
         factor *= STEP_SLOWDOWN["sequential_offload"]
@@ -749,6 +1025,7 @@ def slowdown(spec: ModelSpec, levers: Levers) -> tuple[float, float]:
         copied = sum(spec.weights.values()) - (spec.weights.get("unet", 0) if levers.group_offload else 0)
     elif levers.text_encoder_offload and not levers.sequential_offload:
         copied = sum(spec.weights.get(name, 0) for name in _TEXT_ENCODERS)
+    copied += decode_host(spec, shape, levers)[1] / max(1, shape.batch)
     return factor, copied / HOST_TO_DEVICE_BYTES_PER_S
 
 

@@ -17,16 +17,19 @@ import torch
 
 from sdpatch import undo as changes
 from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
+from sdpatch.planner.streamed_decode import StreamedDecoderForward, unsupported
 
 if TYPE_CHECKING:
     from sdpatch.planner.search import Plan
 
 # The levers, cheapest first. The allocator setting costs nothing; flash-style attention and
 # smaller chunks of the chunked backend cost a little speed; feed-forward chunking, more kernel
-# launches; split CFG, the batch's efficiency at small sizes; tiled decode, exactness (the tiles'
-# seams are blended); CPU offload, a copy of each model to the GPU on every call.
+# launches; split CFG, the batch's efficiency at small sizes; the streamed decode, one more
+# convolution per ResNet block and, with a host store, the strips' copies (exact, so before tiled
+# decode); tiled decode, exactness (the tiles' seams are blended); CPU offload, a copy of each
+# model to the GPU on every call.
 # The weight levers move weights off the GPU: the text encoders to the CPU between their calls
-# (one copy per image; exact, so before tiled decode); model CPU offload (every model, one copy per call); diffusers'
+# (one copy per image; exact, so before the decode levers); model CPU offload (every model, one copy per call); diffusers'
 # group offload of the UNet with CUDA streams (every step streams the UNet's weights); fp8 weight
 # storage (approximate: only with ``allow_fp8``); accelerate's sequential offload (every layer's
 # weights copied when it runs, without overlap).
@@ -36,6 +39,7 @@ LEVER_ORDER = (
     "ff_chunking",
     "split_cfg",
     "text_encoder_offload",
+    "vae_streaming",
     "vae_tiling",
     "cpu_offload",
     "group_offload",
@@ -55,9 +59,12 @@ class Levers:
     ``flash_attention``: diffusers' materializing processors become sdpatch ``auto``.
     ``chunk_budget``: score-buffer bytes of sdpatch's chunked attention (None: as set).
     ``ff_chunks``: token chunks of each transformer feed-forward. ``unet_micro_batch``: the UNet
-    batch runs in calls of at most this many samples (half the batch: split CFG). ``vae_tile``:
-    tiled VAE decode with tiles of this many pixels a side. ``text_encoder_offload``: the text
-    encoders on the CPU except during their call (accelerate's ``cpu_offload_with_hook``).
+    batch runs in calls of at most this many samples (half the batch: split CFG). ``vae_stream``:
+    the VAE decoder streamed in strips of ``vae_strip`` image rows
+    (:mod:`~sdpatch.planner.streamed_decode`), its whole tensors held on the run device
+    (``device``) or in pinned host memory (``host``). ``vae_tile``: tiled VAE decode with tiles of
+    this many pixels a side. ``text_encoder_offload``: the text encoders on the CPU except during
+    their call (accelerate's ``cpu_offload_with_hook``).
     ``cpu_offload``: diffusers' model CPU offload. ``group_offload``: diffusers' group offload of
     the UNet (``block_level`` or ``leaf_level``, with CUDA streams). ``fp8_storage``: the UNet's
     weights stored in fp8 (diffusers' layerwise casting), cast on the CPU. ``sequential_offload``:
@@ -69,6 +76,8 @@ class Levers:
     chunk_budget: int | None = None
     ff_chunks: int = 1
     unet_micro_batch: int | None = None
+    vae_stream: str | None = None
+    vae_strip: int | None = None
     vae_tile: int | None = None
     text_encoder_offload: bool = False
     cpu_offload: bool = False
@@ -109,6 +118,7 @@ _LEVER_FIELDS = {
     "attention": ("flash_attention", "chunk_budget"),
     "ff_chunking": ("ff_chunks",),
     "split_cfg": ("unet_micro_batch",),
+    "vae_streaming": ("vae_stream", "vae_strip"),
     "vae_tiling": ("vae_tile",),
     "text_encoder_offload": ("text_encoder_offload",),
     "cpu_offload": ("cpu_offload",),
@@ -266,6 +276,14 @@ def apply_plan(pipe: Any, plan: Plan | Levers, device: torch.device | str | None
         # instead of 1.59 (H200; leaf level, streams).
         undo.append(changes.attributes([(pipe.unet, "forward")]))
         pipe.unet.forward = _MicroBatchedUNet(pipe.unet.forward, levers.unet_micro_batch)
+    if levers.vae_stream is not None:
+        decoder = pipe.vae.decoder
+        why = unsupported(decoder)
+        if why is None:
+            undo.append(changes.attributes([(decoder, "forward")]))
+            decoder.forward = StreamedDecoderForward(decoder.forward, decoder, levers.vae_strip, levers.vae_stream)
+        else:
+            notes.append(f"the streamed VAE decode cannot run this VAE: {why}")
     if levers.vae_tile is not None:
         vae = pipe.vae
         undo.append(changes.attributes([(vae, "use_tiling"), (vae, "tile_sample_min_size"), (vae, "tile_latent_min_size")]))

@@ -29,6 +29,7 @@ from sdpatch.planner.estimator import (
     PlannerError,
     RunShape,
     _attention_costs,
+    decode_host,
     estimate,
     host_weights,
     slowdown,
@@ -43,6 +44,7 @@ from sdpatch.planner.levers import (
     lever_unavailable,
 )
 from sdpatch.planner.spec import device_state, model_spec
+from sdpatch.planner.streamed_decode import STORES
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ FF_CHUNKS = (2, 4, 8, 16)
 CHUNK_BUDGETS = (64 * MIB, 16 * MIB, 4 * MIB)
 
 MIN_VAE_TILE = 128  # pixels: tiles are halved down to this (or the VAE's own tile, if smaller)
+
+# The streamed decode's strips, in image rows, largest (fewest kernel launches, least halo
+# recomputed) first. At 16 the decoder's 1/8-size layers still get 2 rows a strip, and a full-size
+# resnet's second pass computes conv1 on 18 rows for the 16 it writes; smaller strips would spend
+# more on halos and launches than they save.
+STREAM_STRIPS = (512, 256, 128, 64, 32, 16)
 
 MIN_GAIN = MIB  # a lever is taken for what it saves, not for rounding
 
@@ -116,10 +124,11 @@ class Plan:
     memory: Literal["reserved", "host"]
     notes: tuple[str, ...] = ()
     host_bytes: int = 0  # weights the plan keeps in host memory (host_weights)
+    host_decode_bytes: int = 0  # the streamed decode's pinned host store at its peak (decode_host)
     host_available: int | None = None
     host_limit: str | None = None  # why no stronger plan was taken: the host's memory
     step_slowdown: float = 1.0  # expected factor on each denoising step (STEP_SLOWDOWN)
-    copy_seconds: float = 0.0  # expected seconds per image of whole-model copies
+    copy_seconds: float = 0.0  # expected seconds per image of host-device copies (models, decode strips)
 
     @property
     def fits(self) -> bool:
@@ -155,6 +164,7 @@ class Plan:
             "unplanned": [p.to_dict() for p in self.unplanned.phases],
             "notes": list(self.notes),
             "host_bytes": self.host_bytes,
+            "host_decode_bytes": self.host_decode_bytes,
             "host_available_bytes": self.host_available,
             "host_limit": self.host_limit,
             "step_slowdown": self.step_slowdown,
@@ -184,6 +194,15 @@ def _options(
             size = (size + 1) // 2
             sizes.append(size)
         return [replace(levers, unet_micro_batch=s) for s in sizes]
+    if lever == "vae_streaming":
+        if not spec.streamed_decode:
+            return []
+        # The device store first (no copies); off CUDA the device is the host.
+        stores = STORES if device.cuda else STORES[:1]
+        settings = [(store, strip) for store in stores for strip in STREAM_STRIPS if strip < shape.height]
+        current = (levers.vae_stream, levers.vae_strip)
+        done = settings.index(current) + 1 if current in settings else 0
+        return [replace(levers, vae_stream=store, vae_strip=strip) for store, strip in settings[done:]]
     if lever == "vae_tiling":
         tiles, tile = [], spec.default_tile
         while tile >= min(MIN_VAE_TILE, spec.default_tile):
@@ -207,8 +226,17 @@ def _options(
     return [] if levers.sequential_offload else [replace(levers, sequential_offload=True, **_SUBSUMED)]
 
 
-# What sequential offload replaces: every other weight lever (it offloads every model itself).
-_SUBSUMED = {"text_encoder_offload": False, "cpu_offload": False, "group_offload": None, "fp8_storage": False}
+# What sequential offload replaces: every other weight lever (it offloads every model itself),
+# and the streamed decode, which reads the decoder's weights directly, where accelerate's hooks on
+# each layer would have to move them (it would run diffusers' decoder instead).
+_SUBSUMED = {
+    "text_encoder_offload": False,
+    "cpu_offload": False,
+    "group_offload": None,
+    "fp8_storage": False,
+    "vae_stream": None,
+    "vae_strip": None,
+}
 
 
 def _cheaper_and_smaller(spec: ModelSpec, kinds: tuple[str, ...]) -> list[str]:
@@ -239,6 +267,9 @@ def _setting(lever: str, levers: Levers, shape: RunShape) -> str:
         if shape.cfg and n == shape.batch:
             return f"split CFG: the UNet batch of {shape.unet_batch} runs as 2 calls of {n}"
         return f"UNet batch of {shape.unet_batch} in calls of {n}"
+    if lever == "vae_streaming":
+        held = "in pinned host memory" if levers.vae_stream == "host" else "on the device"
+        return f"streamed VAE decode in {levers.vae_strip} px strips, whole tensors {held}"
     if lever == "vae_tiling":
         return f"tiled VAE decode in {levers.vae_tile} px tiles"
     if lever == "text_encoder_offload":
@@ -264,21 +295,26 @@ def plan_for(
     """Choose levers for ``shape`` on ``spec`` within ``budget`` bytes: cheapest first
     (:data:`LEVER_ORDER`) until the estimate fits, each at its mildest setting that fits, else at
     its strongest; then each lever taken is relaxed back to its mildest setting that does as well,
-    since a later lever may have done its work. A lever that lowers the phases over the budget by
-    less than :data:`MIN_GAIN` is not taken, nor a setting whose weights would not fit in
-    ``device.host_available`` (it would swap). When nothing fits, the plan holds the levers that
+    since a later lever may have done its work, until none relaxes further. A lever that lowers
+    the phases over the budget by less than :data:`MIN_GAIN` is not taken, nor a setting whose
+    weights and streamed-decode host store would not fit in ``device.host_available`` (it would
+    swap). When nothing fits, the plan holds the levers that
     lowered the estimate, and ``fits`` is False."""
     start = Levers(expandable_segments=device.expandable_segments)
     unplanned = estimate(spec, shape, start, device)
     levers, current, taken = start, unplanned, []
     host_refused: list[Levers] = []
 
+    def host_need(levers: Levers) -> int:
+        return host_weights(spec, levers) + decode_host(spec, shape, levers)[0]
+
+    def host_holds(levers: Levers) -> bool:
+        return device.host_available is None or host_need(levers) <= device.host_available
+
     def options(lever: str, base: Levers) -> list[Levers]:
         found = _options(lever, spec, shape, base, device, allow_fp8)
-        if device.host_available is None:
-            return found
-        host_refused.extend(o for o in found if host_weights(spec, o) > device.host_available)
-        return [o for o in found if host_weights(spec, o) <= device.host_available]
+        host_refused.extend(o for o in found if not host_holds(o))
+        return [o for o in found if host_holds(o)]
 
     for lever in LEVER_ORDER:
         if current.peak <= budget:
@@ -294,17 +330,24 @@ def plan_for(
             levers, current = best
             taken.append(lever)
     # Relax: the mildest setting of each lever that keeps the estimate as good (within budget, or
-    # as little over it); the allocator costs nothing and stays.
+    # as little over it); the allocator costs nothing and stays. Again until none relaxes: a lever
+    # taken out may leave room for one relaxed before it (tiles larger once the decode is not
+    # also streamed). Each lever only ever moves to a milder setting, so this ends.
     target = _excess(current, budget)
-    for lever in reversed([t for t in taken if t != "allocator"]):
-        off = _reset(levers, lever, start)
-        for option in [off, *options(lever, off)]:
-            if option == levers:
-                break
-            est = estimate(spec, shape, option, device)
-            if _excess(est, budget) <= target:
-                levers, current = option, est
-                break
+    relaxed = True
+    while relaxed:
+        relaxed = False
+        for lever in reversed([t for t in taken if t != "allocator"]):
+            off = _reset(levers, lever, start)
+            for option in [off, *options(lever, off)]:
+                if option == levers:
+                    break
+                if not host_holds(option):  # without tiled decode, the streamed decode's host store is whole
+                    continue
+                est = estimate(spec, shape, option, device)
+                if _excess(est, budget) <= target:
+                    levers, current, relaxed = option, est, True
+                    break
     taken = [t for t in taken if _reset(levers, t, start) != levers]
     steps = []
     for lever in taken:
@@ -336,12 +379,12 @@ def plan_for(
                 notes.append(f"with --allow-fp8 (approximate) the floor is {format_bytes(with_fp8.estimate.peak)}")
     host_limit = None
     if host_refused and current.peak > budget:
-        need = min(host_weights(spec, o) for o in host_refused)
+        need = min(host_need(o) for o in host_refused)
         host_limit = (
-            f"the host is the limit: a stronger plan keeps {format_bytes(need)} of weights in host memory, "
+            f"the host is the limit: a stronger plan keeps {format_bytes(need)} in host memory, "
             f"{format_bytes(device.host_available)} is available (it would swap)"
         )
-    factor, copy_seconds = slowdown(spec, levers)
+    factor, copy_seconds = slowdown(spec, shape, levers)
     return Plan(
         budget=budget,
         budget_label=budget_label or format_bytes(budget),
@@ -353,6 +396,7 @@ def plan_for(
         memory="reserved" if device.cuda else "host",
         notes=tuple(notes),
         host_bytes=host_weights(spec, levers),
+        host_decode_bytes=decode_host(spec, shape, levers)[0],
         host_available=device.host_available,
         host_limit=host_limit,
         step_slowdown=factor,
@@ -481,13 +525,16 @@ def plan_lines(plan: dict[str, Any], measured: int | None) -> list[str]:
     if plan.get("step_slowdown", 1.0) > 1.0:
         costs.append(f"denoising steps about {plan['step_slowdown']:.1f}x slower")
     if plan.get("copy_seconds_per_image"):
-        costs.append(f"+{plan['copy_seconds_per_image']:.2f} s per image of model copies")
+        costs.append(f"+{plan['copy_seconds_per_image']:.2f} s per image of host-device copies")
     if costs:
         lines.append("plan cost (H200 measurements, docs/benchmarks.md): " + ", ".join(costs))
-    if plan.get("host_bytes"):
+    held = [f"{format_bytes(plan['host_bytes'])} of weights"] if plan.get("host_bytes") else []
+    if plan.get("host_decode_bytes"):
+        held.append(f"{format_bytes(plan['host_decode_bytes'])} of the streamed decode's activations (pinned)")
+    if held:
         available = plan.get("host_available_bytes")
         lines.append(
-            f"plan: {format_bytes(plan['host_bytes'])} of weights in host memory"
+            f"plan: {' and '.join(held)} in host memory"
             + (f" ({format_bytes(available)} available)" if available is not None else "")
         )
     return lines + [f"plan note: {n}" for n in plan["notes"]]

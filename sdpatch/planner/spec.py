@@ -13,6 +13,7 @@ from sdpatch.attention.chunked import DEFAULT_CHUNK_BUDGET
 from sdpatch.memory import host_available_bytes, host_resident_bytes, weights_bytes
 from sdpatch.planner.estimator import AttentionCost, DeviceState, ModelSpec
 from sdpatch.planner.levers import expandable_segments_on
+from sdpatch.planner.streamed_decode import unsupported
 
 _KIND_ORDER = {"flash": 0, "chunked": 1, "materialized": 2}
 
@@ -142,6 +143,7 @@ def model_spec(pipe: Any, device: torch.device | None = None) -> ModelSpec:
         dtype_bytes=pipe.unet.dtype.itemsize,
         # SDXL's pipeline decodes an fp16 VAE in fp32 when its config asks (upcast_vae).
         vae_upcast=hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and bool(vae.config.get("force_upcast")),
+        streamed_decode=unsupported(vae.decoder) is None,
         attention=costs,
         auto_attention=autos,
         triton=triton,
