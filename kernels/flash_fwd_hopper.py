@@ -787,13 +787,11 @@ def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[tor
         if later.done():
             disable(later.exception())
         return None
-    if later is None and compiling_ahead() and not plan.binaries:
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-        plan.meta["later"] = compile_later(q.device, launches(q, k, v, out, lse, scale))
-        return None
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
+    if later is None and compiling_ahead() and not plan.binaries:
+        plan.meta["later"] = compile_later(q.device, launches(q, k, v, out, lse, scale))
+        return None
     bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors
     with on_device(q):
         for i, (kernel, grid, args, consts) in enumerate(launches(q, k, v, out, lse, scale, bound=bound)):
