@@ -194,7 +194,9 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
                 model=name, size=size, budget_gib=budget, levers=[s.setting for s in chosen.steps], fits=chosen.fits,
                 exact=all(s.lever in EXACT_LEVERS for s in chosen.steps), streamed_psnr_db=streamed_psnr,
                 est_reserved=chosen.estimate.peak, reserved=max(p.peak_reserved for p in phases),
-                phases=[(p.name, p.peak_reserved) for p in phases], est_phases=[(p.name, p.reserved) for p in chosen.estimate.phases],
+                est_allocated=max(p.allocated for p in chosen.estimate.phases), allocated=max(p.peak_allocated for p in phases),
+                phases=[(p.name, p.peak_allocated, p.peak_reserved) for p in phases],
+                est_phases=[(p.name, p.allocated, p.reserved) for p in chosen.estimate.phases],
                 step=step, hand_step=hand_step, predicted_slowdown=chosen.step_slowdown,
             ))
             print(json.dumps(rows[-1]), flush=True)
@@ -212,10 +214,10 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
             release()
         del gpu_pipe
         release()
-    print(f"\nissue 29 targets ({SMALL_STEPS} steps after a warm-up run; peak reserved over the whole run):")
+    print(f"\nissue 29 targets ({SMALL_STEPS} steps after a warm-up run; peaks over the whole run):")
     print("| model | size | budget | levers | exact | streamed decode PSNR | est / measured reserved GiB | err | met | "
-          "s/step | vs unplanned (predicted) | vs by hand |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "est / measured allocated GiB | s/step | vs unplanned (predicted) | vs by hand |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['step'] / r['unplanned_step']:.2f}x" if r["unplanned_step"] else "unplanned OOM"
         hand = f"{r['step'] / r['hand_step']:.2f}x" if r["hand_step"] else "–"
@@ -224,10 +226,11 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
         print(f"| {r['model']} | {r['size']}² | {r['budget_gib']:g} GiB | {'; '.join(r['levers']) or '–'} | "
               f"{'yes' if r['exact'] else 'no'} | {psnr} | "
               f"{r['est_reserved'] / GIB:.2f} / {r['reserved'] / GIB:.2f} | {r['est_reserved'] / r['reserved'] - 1:+.1%} | "
-              f"{met} | {r['step']:.3f} | {ratio} ({r['predicted_slowdown']:.1f}x) | {hand} |")
-    print("\nper phase, estimated / measured reserved GiB:")
+              f"{met} | {r['est_allocated'] / GIB:.2f} / {r['allocated'] / GIB:.2f} | {r['step']:.3f} | {ratio} ({r['predicted_slowdown']:.1f}x) | {hand} |")
+    print("\nper phase, estimated / measured allocated, reserved GiB:")
     for r in rows:
-        cells = ", ".join(f"{PHASE_LABELS[n]} {e / GIB:.2f}/{m / GIB:.2f}" for (n, e), (_, m) in zip(r["est_phases"], r["phases"]))
+        cells = ", ".join(f"{PHASE_LABELS[n]} {ea / GIB:.2f}/{ma / GIB:.2f}, {er / GIB:.2f}/{mr / GIB:.2f}"
+                          for (n, ea, er), (_, ma, mr) in zip(r["est_phases"], r["phases"]))
         print(f"{r['model']} {r['size']}² {r['budget_gib']:g} GiB: {cells}")
     return rows
 

@@ -91,10 +91,13 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
                --steps 3 --seed 0 --out "$W/compare" --overwrite > "$W/compare.log" 2>&1 || rc=$? ;;
     train) $t python3 "$REPO/scripts/bench_train_step.py" ${TRAIN_ARGS:-} --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
     planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column;
-      # planner=small: issue 29's small-card targets alone (SMALL_MODELS=sdxl,...: those presets' only)
-      if [ "$only" = small ]; then
-        $t python3 "$REPO/scripts/check_planner.py" --small-cards ${SMALL_MODELS:+--models "$SMALL_MODELS"} --json "$W/check_planner_small.json" > "$W/check_planner_small.log" 2>&1 || rc=$?
-        echo "=== $s: exit $rc $(date +%T)"; tail -n 25 "$W"/check_planner_small.log; collect; return $rc
+      # planner=small: issue 29's small-card targets alone; planner=small:MODELS[:SIZES] those presets' (and
+      # sizes') only, e.g. "planner=small:sdxl" "planner=small:sd15" as two lanes on two GPUs
+      if [ "${only%%:*}" = small ]; then
+        local models= sizes= tag=; IFS=: read -r _ models sizes <<< "$only"; tag=${models:+_${models//,/_}}
+        $t python3 "$REPO/scripts/check_planner.py" --small-cards ${models:+--models "$models"} ${sizes:+--sizes "$sizes"} \
+          --json "$W/check_planner_small$tag.json" > "$W/check_planner_small$tag.log" 2>&1 || rc=$?
+        echo "=== $s: exit $rc $(date +%T)"; tail -n 25 "$W/check_planner_small$tag.log"; collect; return $rc
       fi
       $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner.json" > "$W/check_planner.log" 2>&1 || rc=$?
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $t python3 "$REPO/scripts/check_planner.py" --json "$W/check_planner_expandable.json" \

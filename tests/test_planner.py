@@ -72,7 +72,7 @@ def allocator_env(monkeypatch):
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of the storages that ops create, each freed when its last reference goes;
     storages that exist before (weights, inputs) are not counted. ``conv_workspace`` adds, while
-    a convolution runs, that factor times its input plus output bytes (the CUDA model)."""
+    a convolution other than a 1x1 runs, that factor times its input plus output bytes (the CUDA model)."""
 
     def __init__(self, *existing: torch.Tensor, conv_workspace: float = 0.0) -> None:
         super().__init__()
@@ -97,7 +97,7 @@ class LiveBytes(TorchDispatchMode):
                     self.now += storage.nbytes()
                     weakref.finalize(storage, self._free, key, storage.nbytes())
         extra = 0
-        if func is torch.ops.aten.convolution.default:
+        if func is torch.ops.aten.convolution.default and args[1].shape[-2:] != (1, 1):  # 1x1: a GEMM, none
             extra = self.conv_workspace * (args[0].nbytes + out.nbytes)
         self.peak = max(self.peak, self.now + extra)
         return out
