@@ -21,7 +21,6 @@ from .runtime import (
     Plan,
     autotuner,
     cached_plan,
-    compiling_ahead,
     config_kwargs,
     interpreting,
     launch,
@@ -29,6 +28,7 @@ from .runtime import (
     on_device,
     precompile,
     shipped_config,
+    stands_aside,
     tile_configs,
     tune_key,
     vector_align,
@@ -387,7 +387,7 @@ def fa2_attn_fwd(
     split_head_dim: bool | None = None,
     config: dict | None = None,
     kv_tma: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Launch the FlashAttention-2-style forward kernel (:func:`sdpatch.kernels.forward.flash_attn_fwd`
     chooses between it and the Gluon kernel).
 
@@ -400,7 +400,9 @@ def fa2_attn_fwd(
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning
     (the interpreter always uses a fixed one).
     Returns (out, lse): out has q's shape, dtype and layout; lse is the fp32 (B, H, Nq)
-    base-2 log-sum-exp of the scaled scores (None unless ``return_lse``).
+    base-2 log-sum-exp of the scaled scores (None unless ``return_lse``). None, launching nothing,
+    where the layout's kernel compiles in the background and a stand-in is to serve the call
+    (:func:`sdpatch.kernels.runtime.stands_aside`; never with ``return_lse``, a mask or ``config``).
     """
     out = torch.empty_like(q)  # keeps q's layout: diffusers' (B, N, H, D) views reshape for free
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
@@ -415,31 +417,38 @@ def fa2_attn_fwd(
             kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
             launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
             return out, lse
-        config = config or plan.config
+        pinned, config = bool(config), config or plan.config
         scalars = fwd_scalars(q, k, v, mask, out, scale)
         if config is not None:
             kv = kv_operands(k, v, plan.meta, config["BLOCK_N"])
             consts = {**plan.meta, "EVEN_N": Nk % config["BLOCK_N"] == 0, **config}
             grid, key = launch_grid(Nq, BH, config["BLOCK_M"]), tuple(config.items())
-            try:
-                launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
-            except OutOfResources as e:
-                if config is not plan.config:  # a plan's tiles that do not fit can only be shipped ones
-                    raise
-                logger.warning("shipped tiles %s do not fit this GPU (%s); autotuning this layout", config, e)
-                plan.config = None
-                return fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, None, kv_tma)
-            if config is plan.config:
-                plan.tuned = (grid, scalars, consts, key)
+            first = [(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts)]
         else:
             args = (q, *kv_operands(k, v, plan.meta), mask, out, lse, *scalars)  # tiles set per config
             # EVEN_N depends on the tuned BLOCK_N; every candidate BLOCK_N divides 128.
             tuner = fwd_tuner(plan.meta["KV_TMA"])
             grid, meta = (lambda META: launch_grid(Nq, BH, META["BLOCK_M"])), {**plan.meta, "EVEN_N": Nk % 128 == 0}
-            if not plan.meta["KV_TMA"]:
-                precompile((tuner, grid, args, meta))
-            if compiling_ahead():  # the real call tunes
-                return out, lse
+            # The TMA configs' pre-hook, which warmup skips, sets what they compile: they compile when tuned.
+            first = [] if plan.meta["KV_TMA"] else [(tuner, grid, args, meta)]
+        # A stand-in can serve a call that needs no log-sum-exp and has no mask (a row with every key
+        # masked gives zeros here, NaN in SDPA) while its kernel compiles in the background.
+        if not pinned and not return_lse and mask is None and stands_aside(plan, q.device, lambda: first):
+            return None
+        if config is not None:
+            try:
+                launch(_attn_fwd_kernel, grid, first[0][2], consts, plan.binaries, key)
+            except OutOfResources as e:
+                if pinned:  # a plan's tiles that do not fit can only be shipped ones
+                    raise
+                logger.warning("shipped tiles %s do not fit this GPU (%s); autotuning this layout", config, e)
+                plan.config = None
+                return fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, None, kv_tma)
+            if not pinned:
+                plan.tuned = (grid, scalars, consts, key)
+        else:
+            if first:
+                precompile(*first)
             tuner[grid](*args, **meta)
             # Later calls launch the tuned kernel directly; the same EVEN_N reuses its binary.
             plan.config = {**config_kwargs(tuner.best_config), "EVEN_N": Nk % 128 == 0}

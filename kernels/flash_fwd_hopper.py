@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import Plan, cached_plan, compile_later, compiling_ahead, launch, on_device
+from .runtime import Plan, cached_plan, launch, on_device, stands_aside
 from .shared import SERVES, split_parts
 
 try:  # Gluon's Hopper API: triton 3.5 and later
@@ -776,21 +776,15 @@ def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[tor
     layout, then straight to its binaries (:func:`sdpatch.kernels.runtime.launch`). Arguments and
     results as :func:`sdpatch.kernels.flash_fwd.fa2_attn_fwd`'s, no mask (see :func:`serves`).
 
-    None where the layout's kernels are not compiled yet and another kernel should serve the call:
-    a dry call (:func:`sdpatch.kernels.runtime.compile_ahead`) hands their compile, seconds long,
-    to background threads (:func:`sdpatch.kernels.runtime.compile_later`), and every call returns
-    None until it is done. A compile that failed turns this kernel off (:func:`disable`)."""
+    None, launching nothing, where the layout's kernels compile in the background (seconds: see
+    :func:`sdpatch.kernels.runtime.stands_aside`) and another kernel is to serve the call. A compile
+    that failed raises at the layout's next call (:func:`sdpatch.kernels.forward.flash_attn_fwd`
+    then turns this kernel off)."""
     plan = cached_plan(_plans, (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, return_lse),
                        lambda: Plan({}))
-    later = plan.meta.get("later")
-    if later is not None and (not later.done() or later.exception() is not None):
-        if later.done():
-            disable(later.exception())
-        return None
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if return_lse else None
-    if later is None and compiling_ahead() and not plan.binaries:
-        plan.meta["later"] = compile_later(q.device, launches(q, k, v, out, lse, scale))
+    if stands_aside(plan, q.device, lambda: launches(q, k, v, out, lse, scale)):
         return None
     bound = len(plan.binaries) > 0  # compiled at this layout: its binaries take bound descriptors
     with on_device(q):

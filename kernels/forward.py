@@ -9,10 +9,10 @@ H200 hosts. So the Gluon kernel serves calls that will be replayed from a CUDA g
 (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's warm-up and capture, so
 that the kernel it captures is the one its warm-up compiled), and eager calls only where the kernel
 is long enough to hide that host time (:data:`EAGER_GLUON_MIN_FLOP`). A Gluon kernel takes 2-3.5 s
-to compile, the Triton kernel about 1: a graph's dry call compiles the Gluon kernels in the
-background and the Triton kernel serves until they are done (:func:`flash_fwd_hopper.gluon_attn_fwd`;
-the graph is then captured again). A Gluon launch that raises (an API this triton lacks) hands
-every later call to the Triton kernel, with one warning.
+to compile, the Triton kernel 0.5-1: a CUDA graph's warm-up has both compiled in the background
+(:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA stands in for them
+until they are done (:func:`stand_in`; the graph is then captured again). A Gluon launch that raises
+(an API this triton lacks) hands every later call to the Triton kernel, with one warning.
 :func:`describe` says which variant, tiling and grid a call gets.
 """
 
@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from . import flash_fwd, flash_fwd_hopper
 from .shared import mask_kind, tiling
-from .runtime import vector_align
+from .runtime import count_stand_in, vector_align
 
 
 # Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H200
@@ -67,7 +68,8 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention forward on the variant that serves the call; arguments and results as
     :func:`flash_fwd.fa2_attn_fwd`'s. Calls that pin the Triton kernel's tiling (``config``,
-    ``split_head_dim`` or ``kv_tma``) always get it, and so do Gluon's while its kernels compile."""
+    ``split_head_dim`` or ``kv_tma``) always get it. While the serving kernel compiles in the
+    background, :func:`stand_in` serves, or the Triton kernel where the log-sum-exp is asked for."""
     if config is None and split_head_dim is None and kv_tma is None and gluon_serves(q, k, v, mask):
         try:
             result = flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale, return_lse)
@@ -78,7 +80,18 @@ def flash_attn_fwd(
         else:
             if result is not None:
                 return result
-    return flash_fwd.fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, config, kv_tma)
+            if not return_lse:  # compiling in the background (Gluon serves unmasked calls only)
+                return stand_in(q, k, v, scale)
+    result = flash_fwd.fa2_attn_fwd(q, k, v, scale, mask, return_lse, split_head_dim, config, kv_tma)
+    return result if result is not None else stand_in(q, k, v, scale)
+
+
+def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
+    """(out, None) by PyTorch's SDPA (cuDNN or FlashAttention-2 on CUDA), for an unmasked call: what
+    serves it while its own kernel compiles in the background
+    (:func:`sdpatch.kernels.runtime.compiles_in_background`). The same function up to rounding."""
+    count_stand_in()
+    return F.scaled_dot_product_attention(q, k, v, scale=scale), None
 
 
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
@@ -98,4 +111,4 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             + (", K and V through TMA" if tma else ""))
 
 
-__all__ = ["EAGER_GLUON_MIN_FLOP", "describe", "flash_attn_fwd", "for_capture", "gluon_serves"]
+__all__ = ["EAGER_GLUON_MIN_FLOP", "describe", "flash_attn_fwd", "for_capture", "gluon_serves", "stand_in"]

@@ -5,7 +5,9 @@ A launcher keeps a :class:`Plan` per input layout (:func:`cached_plan`): the con
 autotuner picked, and the compiled binaries, so that a layout seen before costs its launch and
 little else on the host. :func:`launch` goes through Triton's JIT once per (layout, tiles) and
 straight to the compiled binary after (:class:`Binary`): no C++ is built on the user's machine. A
-layout's first call compiles the autotuners' candidates on a few threads at once (:func:`precompile`).
+layout's first call compiles the autotuners' candidates on a few threads at once (:func:`precompile`);
+inside :func:`compiles_in_background` (a CUDA graph's warm-up) it compiles nothing and leaves the
+call to a stand-in while its kernels compile on background threads (:func:`stands_aside`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -133,10 +136,6 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     launch plans' keys with the tile config do. ``args`` are the kernel's leading, runtime
     parameters; ``consts`` its constexprs and launch options.
     """
-    if _ahead is not None:  # compile_ahead: submit the compile, launch nothing
-        if key not in binaries:
-            kernel.warmup(*args, grid=grid, **consts)
-        return
     binary = binaries.get(key)
     if binary is not None:
         try:
@@ -167,6 +166,7 @@ class Plan:
     config: dict | None = None  # the autotuner's pick, once it has tuned this shape
     binaries: dict = field(default_factory=dict)  # tile config -> compiled kernel (see :func:`launch`)
     tuned: tuple | None = None  # (grid, scalars, constexprs, binary key) of the tuned launch
+    later: object = None  # its background compile's future, then LAUNCHED (see :func:`stands_aside`)
 
 
 # Plans a launcher keeps, by layout. Working out the constexprs and going through Triton's autotuner
@@ -249,10 +249,6 @@ def precompile(*calls: tuple) -> None:
     autotuner compiles each candidate itself, as it would have. Not for configs with a pre-hook
     (the TMA loads'): ``Autotuner.warmup`` does not run it, so it would compile other variants.
     """
-    if _ahead is not None:  # compile_ahead's: submitted into its mode, all at once
-        for tuner, grid, args, kwargs in calls:
-            tuner.warmup(*args, grid=grid, **kwargs)
-        return
     if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting():
         return
     try:
@@ -263,19 +259,16 @@ def precompile(*calls: tuple) -> None:
         logger.debug("parallel precompile skipped (%s: %s)", type(e).__name__, e)
 
 
-_ahead = None  # the AsyncCompileMode of compile_ahead, while it runs
-
-# Compiles a launch can do without for now: a faster variant of a kernel whose other variant serves
-# the call meanwhile (the Gluon forward: 2-3.5 s a compile, where the Triton kernel it stands in
-# for takes about 1). They run on threads of their own, which compile_ahead does not wait for, so
-# that a new size's first step does not wait for them; :func:`compiling_later` says when all are done.
-_later: set = set()
-# Those asked for inside compile_ahead start once its own compiles are done: much of a compile holds
-# the GIL (Triton's code generation is Python), so compiles running beside them would slow them.
+# Compiles in the background (:func:`compiles_in_background`). A layout's first call then takes no
+# compile: a kernel found in Triton's disk cache loads in about 0.1 s, a new one compiles in 0.5-1 s
+# (Triton) or 2-3.5 s (Gluon), and a UNet has a dozen layouts, one after another as its layers reach
+# them. Much of a compile holds the GIL (Triton's code generation is Python), so compiles asked for
+# wait in ``_deferred`` until :func:`start_deferred`: the caller starts them once its own host-bound
+# work (a CUDA graph's warm-up and capture) is done.
+_background = 0  # > 0 inside compiles_in_background()
+_later: set = set()  # futures of compile_later not done yet
 _deferred: list = []
-# A compile found in Triton's on-disk cache loads in tens of milliseconds: compile_ahead waits this
-# long for the compiles it submitted later, so that a warm cache's variants serve from the first call.
-LATER_GRACE_S = 0.3
+_stand_ins = 0  # calls a stand-in served while their kernels compiled (see stood_in)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,22 +278,33 @@ def _later_pool():
     return ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sdpatch-compile-later")
 
 
-def compile_later(device: torch.device, launches: list[tuple]):
-    """Compile ``launches`` (each ``(kernel, grid, args, consts)``, as :func:`launch` takes them) on
-    background threads, without launching them; returns the future, whose exception is the first
-    compile's that failed. The kernels land in their JIT's cache for ``device``, so that their
-    first launch after the future is done compiles nothing."""
+@contextlib.contextmanager
+def compiles_in_background():
+    """Calls in this block whose layout has no compiled kernel yet hand its compile to background
+    threads (:func:`compile_later`) and are served by a stand-in until it is done (:func:`stands_aside`).
+    Only where Triton's JIT is known to compile from several threads at once (the versions with its
+    async compile mode, 3.6 on); elsewhere, and in the interpreter, calls compile as they come."""
+    global _background
+    on = _AsyncCompileMode is not None and not interpreting()
+    _background += on
+    try:
+        yield
+    finally:
+        _background -= on
 
+
+def compile_later(device: torch.device, launches: list[tuple]):
+    """Compile ``launches`` (each ``(kernel, grid, args, consts)``, as :func:`launch` takes them, or
+    an autotuner's ``(tuner, grid, args, kwargs)``: all its candidates) on a background thread once
+    :func:`start_deferred` is called, without launching them; returns the future, whose exception is
+    the first compile's that failed. The kernels land in their JIT's cache for ``device``, so that
+    their first launch after the future is done compiles nothing."""
     from concurrent.futures import Future
 
     future = Future()
     _later.add(future)
     future.add_done_callback(_later.discard)
-    task = functools.partial(_build, future, device, launches)
-    if _ahead is not None:
-        _deferred.append(task)
-    else:
-        _later_pool().submit(task)
+    _deferred.append(functools.partial(_build, future, device, launches))
     return future
 
 
@@ -318,54 +322,56 @@ def _build(future, device: torch.device, launches: list[tuple]) -> None:
         future.set_result(None)
 
 
-def compiling_later() -> bool:
-    """Whether any compile of :func:`compile_later` is still running."""
-    return bool(_later)
-
-
-def compile_ahead(run) -> bool:
-    """Call ``run()`` with every kernel launch of the launchers turned into a compile submitted to
-    :data:`COMPILE_THREADS` threads, and return when all have compiled: whether it ran.
-
-    A model's first call at a new size compiles one kernel per attention layout, one after another,
-    as each layer reaches it (seconds, at a UNet's dozen layouts). A dry call under this compiles
-    them all at once; its attention outputs are left unwritten, so its results are garbage, to be
-    thrown away, and the real call that follows finds every kernel compiled. Layouts the autotuners
-    have yet to tune get their candidates compiled (:func:`precompile`), and are tuned by that real
-    call. A launcher may hand a slow variant's compile to :func:`compile_later` instead, and its
-    stand-in's to this: those start once this call's own compiles are done, and those found in the
-    disk cache are waited for (:data:`LATER_GRACE_S`). Needs
-    Triton's async compile mode (not in the interpreter); where there is none, ``run`` is not
-    called. Compile errors are left for the real call to raise.
-    """
-    global _ahead
-    if _AsyncCompileMode is None or COMPILE_THREADS < 2 or interpreting() or _ahead is not None:
-        return False
-    mode = _AsyncCompileMode(_compile_pool(), ignore_errors=True)
-    with mode:  # its exit waits for every compile submitted
-        _ahead = mode
-        try:
-            run()
-        finally:
-            _ahead = None
-    start_deferred()
-    if _later:
-        from concurrent.futures import wait
-
-        wait(list(_later), timeout=LATER_GRACE_S)
-    return True
-
-
-def start_deferred() -> None:
-    """Start the compiles :func:`compile_later` deferred while a dry call compiled its own."""
+def start_deferred() -> int:
+    """Start the compiles :func:`compile_later` was asked for; how many."""
+    tasks = len(_deferred)
     for task in _deferred:
         _later_pool().submit(task)
     _deferred.clear()
+    return tasks
 
 
-def compiling_ahead() -> bool:
-    """Whether launches are compile-only now (inside :func:`compile_ahead`)."""
-    return _ahead is not None
+def compiling_later() -> bool:
+    """Whether any compile of :func:`compile_later` is still to start or running."""
+    return bool(_later)
+
+
+def stands_aside(plan: Plan, device: torch.device, launches: Callable[[], list[tuple]]) -> bool:
+    """Whether a stand-in serves this call of ``plan``'s layout instead of its kernel.
+
+    Inside :func:`compiles_in_background`, a layout that has launched nothing yet hands
+    ``launches()`` (what its first call would compile) to :func:`compile_later`. Until that is done
+    every call stands aside; so does a call under CUDA-graph capture that would be the layout's
+    first launch since (an autotuner's timing, or the JIT's first launch, cannot be captured). The
+    first call after that takes the kernel, and raises what the compile raised.
+    """
+    later = plan.later
+    if later is None:
+        if not _background or plan.binaries:
+            return False
+        plan.later = compile_later(device, launches())
+        return True
+    if later is LAUNCHED:
+        return False
+    if not later.done() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return True
+    plan.later = LAUNCHED
+    if later.exception() is not None:
+        raise later.exception()
+    return False
+
+
+LAUNCHED = "launched"  # a plan's ``later`` once its background compile is done and its kernel has served
+
+
+def stood_in() -> int:
+    """Calls a stand-in served so far (a CUDA graph captured while this grows holds stand-ins)."""
+    return _stand_ins
+
+
+def count_stand_in() -> None:
+    global _stand_ins
+    _stand_ins += 1
 
 
 class CompileOnlyDriver:

@@ -103,6 +103,7 @@ def summarize(report: dict) -> dict:
         "graph_compile_s": graphs.get("compile_s"),
         "graph_capture_s": graphs.get("capture_s"),
         "graph_recaptures": graphs.get("recaptures"),
+        "graph_stand_in_replays": graphs.get("stand_in_replays"),
     }
 
 

@@ -218,8 +218,9 @@ def speed_lines(speed: dict[str, Any] | None) -> list[str]:
         eager = st["eager_calls"]
         lines.append(
             f"CUDA graphs ({name}): {st['graphs']} captured in {st['capture_s']:.2f} s"
-            + (f" after compiling their kernels in {st['compile_s']:.2f} s" if st.get("compile_s") else "")
-            + (f", {st['recaptures']} captured again once the kernels compiled in the background were ready"
+            + (f", {st['stand_in_replays']} replays with SDPA standing in for kernels compiling in the background"
+               if st.get("stand_in_replays") else "")
+            + (f", {st['recaptures']} captured again once they had compiled ({st['compile_s']:.2f} s)"
                if st.get("recaptures") else "") + ", pool "
             f"{format_bytes(st['pool_bytes'])}, {st['replays']} calls replayed, {eager} eager"
             + (f" ({'; '.join(f'{r}: {n}' for r, n in st['eager_reasons'].items())})" if eager else "")

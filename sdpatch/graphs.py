@@ -7,14 +7,17 @@ new input signature (the tree of arguments, with every tensor's shape, dtype, de
 every other value) runs eagerly ``warmup`` times (:data:`WARMUP_CALLS`), which autotunes and compiles
 the kernels, and is captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later
 call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
-first two steps carry the warm-up and the capture; every other step is a replay. Before a new
-signature's first warm-up call, a dry call compiles every attention kernel the warm-up will launch,
-all at once on a few threads (:func:`sdpatch.kernels.runtime.compile_ahead`), where they would
-otherwise compile one after another. Kernels that are slow to compile and have a stand-in (the
-Gluon forward, for which the Triton kernel stands in) compile in the background instead: the
-signature is warmed up and captured with the stand-ins, and captured again at its first call after
-they are done (one more warm-up call; ``recaptures`` in the stats). All of a module's graphs share
-one memory pool, so graphs of several sizes cost about the largest one's activations.
+first two steps carry the warm-up and the capture; every other step is a replay.
+
+A new signature's attention kernels are not compiled in its first step. Its first warm-up call hands
+every layout whose kernel has not launched yet to background threads
+(:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA serves those layouts
+meanwhile (:func:`sdpatch.kernels.forward.stand_in`): the first step costs about what an unpatched
+pipeline's does, where compiling a dozen kernels one after another took seconds. The compiles start
+once the graph is captured (much of a compile holds the GIL, which the warm-up needs), the graph
+replays with the stand-ins until they are done, and the first call after that warms the signature up
+and captures it again (``recaptures`` in the stats). All of a module's graphs share one memory pool,
+so graphs of several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
 repeats: no compiler is involved, so there is no compile time, and the images equal eager's.
@@ -69,7 +72,7 @@ class _Entry:
     inputs: list[torch.Tensor]
     output: Any
     call: tuple  # (args, kwargs) of the captured call: ``inputs`` in their places
-    provisional: bool = False  # captured while faster kernels compiled: captured again once they are done
+    provisional: bool = False  # holds stand-ins for kernels that were compiling: captured again once they are done
 
 
 @dataclass
@@ -77,11 +80,12 @@ class GraphStats:
     """What a module's graphs did, for the run report."""
 
     graphs: int = 0
-    recaptures: int = 0  # graphs captured again once the faster kernels compiled in the background were done
+    recaptures: int = 0  # graphs captured again once the kernels compiled in the background were done
     replays: int = 0
     eager_calls: int = 0
     capture_s: float = 0.0  # host time spent capturing, all signatures
-    compile_s: float = 0.0  # host time of the dry calls that compile new signatures' kernels at once
+    compile_s: float = 0.0  # from the start of new signatures' background compiles until they were found done
+    stand_in_replays: int = 0  # replays of graphs holding stand-ins for kernels that compiled meanwhile
     pool_bytes: int = 0  # CUDA memory reserved while capturing: the graphs' shared pool
     eager_reasons: dict[str, int] = field(default_factory=dict)  # reason -> calls
 
@@ -93,6 +97,7 @@ class GraphStats:
             "eager_calls": self.eager_calls,
             "capture_s": round(self.capture_s, 4),
             "compile_s": round(self.compile_s, 4),
+            "stand_in_replays": self.stand_in_replays,
             "pool_bytes": self.pool_bytes,
             "eager_reasons": dict(self.eager_reasons),
         }
@@ -131,6 +136,7 @@ class GraphRunner:
         self.seen: dict[Any, int] = {}
         self.failed: dict[Any, str] = {}
         self.stats = GraphStats()
+        self._compiles_started: float | None = None  # when the background compiles now running started
 
     # -- the call ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -142,6 +148,7 @@ class GraphRunner:
                 self._drop(key)
                 entry = None
             if entry is not None:
+                self._start_compiles()
                 return self._replay(entry, leaves)
             reason = self._why_not_capture(key)
             if reason is None:  # no warm-up asked for: capture, then replay this very call
@@ -150,13 +157,15 @@ class GraphRunner:
                     return self._replay(entry, leaves)
                 reason = self.failed[key]
         self._eager(reason)
-        with _for_capture() if reason == WARMUP else contextlib.nullcontext():
-            if reason == WARMUP and self.seen[key] == 1:
-                self.stats.compile_s += _compile_ahead(lambda: self.forward(*args, **kwargs))
+        first = reason == WARMUP and self.seen[key] == 1
+        with _for_capture() if reason == WARMUP else contextlib.nullcontext(), \
+                _in_background() if first else contextlib.nullcontext():
             output = self.forward(*args, **kwargs)
-        if reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs:
-            # Captured now, replayed from the next call on: the one-time cost stays in this call.
+        captures = reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs
+        if captures:  # captured now, replayed from the next call on: the one-time cost stays in this call
             self._capture(key, leaves, spec)
+        if captures or not first:
+            self._start_compiles()
         return output
 
     def _signature(self, leaves: list, spec) -> tuple[Any, str | None]:
@@ -211,7 +220,7 @@ class GraphRunner:
         graph = self._graph_factory()
         if self._pool is None:
             self._pool = self._pool_factory()
-        reserved = self._reserved()
+        reserved, stood_in = self._reserved(), _stood_in()
         try:
             with _for_capture(), self._capture_context(graph, pool=self._pool):
                 output = self.forward(*args, **kwargs)
@@ -221,7 +230,7 @@ class GraphRunner:
             logger.warning("sdpatch: CUDA-graph capture failed (%s); this input signature runs eagerly", why)
             _clear_capture_error()
             return None
-        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), _compiling_later())
+        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), _stood_in() != stood_in)
         self.stats.graphs += 1
         self.stats.capture_s += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._reserved() - reserved)
@@ -229,21 +238,31 @@ class GraphRunner:
         return entry
 
     def _drop(self, key) -> None:
-        """Drop a provisional graph: the next call warms the signature up once more (its kernels
-        compiled, no dry call), and captures it again with the kernels that were compiling."""
+        """Drop a graph that holds stand-ins, its kernels now compiled: the signature warms up again
+        (the first call tunes or first launches each kernel, neither of which a capture can hold) and
+        is captured with them."""
         del self.entries[key]
         if not self.entries:  # PyTorch's allocator refuses captures into a pool whose last graph is gone
             self._pool = None
-        self.seen[key] = self.warmup - 1
+        self.seen[key] = 0
         self.stats.graphs -= 1
         self.stats.recaptures += 1
+        if self._compiles_started is not None:
+            self.stats.compile_s += time.perf_counter() - self._compiles_started
+            self._compiles_started = None
         logger.info("sdpatch: kernels compiled in the background are ready; %s is captured again", type(self.module).__name__)
+
+    def _start_compiles(self) -> None:
+        """Start the background compiles a first warm-up asked for (:func:`_start_deferred`)."""
+        if _start_deferred() and self._compiles_started is None:
+            self._compiles_started = time.perf_counter()
 
     def _replay(self, entry: _Entry, leaves: list):
         for dst, src in zip(entry.inputs, (t for t in leaves if isinstance(t, torch.Tensor))):
             dst.copy_(src, non_blocking=True)
         entry.graph.replay()
         self.stats.replays += 1
+        self.stats.stand_in_replays += entry.provisional
         # A copy: the next replay overwrites the graph's output, and a caller may still hold this one.
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
 
@@ -277,34 +296,40 @@ def _for_capture():
     return for_capture()
 
 
-def _compile_ahead(run: Callable[[], Any]) -> float:
-    """Run a new signature's dry call, which compiles every attention kernel its warm-up will launch
-    at once (:func:`sdpatch.kernels.runtime.compile_ahead`); its seconds, 0 where it did not run."""
-    from .attention.triton_backend import import_error
-
-    if import_error() is not None:  # no Triton here: nothing to compile
-        return 0.0
-    from .kernels.runtime import compile_ahead
-
-    start = time.perf_counter()
-    try:
-        ran = compile_ahead(run)
-    except Exception as err:  # noqa: BLE001 - the warm-up compiles as it would have, and raises what it must
-        logger.debug("sdpatch: compiling ahead stopped (%s: %s)", type(err).__name__, err)
-        return time.perf_counter() - start
-    return time.perf_counter() - start if ran else 0.0
-
-
-def _compiling_later() -> bool:
-    """Whether faster kernels are still compiling in the background while others stand in for them
-    (:func:`sdpatch.kernels.runtime.compile_later`): a graph captured now holds the stand-ins."""
+def _triton():
+    """sdpatch's kernel runtime, or None where Triton cannot be imported (then nothing compiles)."""
     from .attention.triton_backend import import_error
 
     if import_error() is not None:
-        return False
-    from .kernels.runtime import compiling_later
+        return None
+    from .kernels import runtime
 
-    return compiling_later()
+    return runtime
+
+
+def _in_background():
+    """A first warm-up's block: its new layouts compile in the background while stand-ins serve
+    (:func:`sdpatch.kernels.runtime.compiles_in_background`)."""
+    runtime = _triton()
+    return contextlib.nullcontext() if runtime is None else runtime.compiles_in_background()
+
+
+def _start_deferred() -> int:
+    """Start the background compiles asked for so far; how many started."""
+    runtime = _triton()
+    return 0 if runtime is None else runtime.start_deferred()
+
+
+def _compiling_later() -> bool:
+    """Whether kernels are still compiling in the background (or still to start)."""
+    runtime = _triton()
+    return runtime is not None and runtime.compiling_later()
+
+
+def _stood_in() -> int:
+    """Calls stand-ins have served so far (:func:`sdpatch.kernels.runtime.stood_in`)."""
+    runtime = _triton()
+    return 0 if runtime is None else runtime.stood_in()
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

@@ -282,58 +282,63 @@ print(len(candidates), len(cache), runtime._AsyncCompileMode is not None)
 """
 
 
-# The same, through compile_ahead: a layout to tune and one with given tiles, called as a model's dry
-# call would; nothing is launched (the stand-in driver could not), and every kernel is compiled after.
-_AHEAD_SCRIPT = """
-import os, sys
+# Calls of two new layouts inside compiles_in_background, compiled for sm_90 through the stand-in
+# driver: a layout to tune and one with given tiles. Both are served by SDPA (on the CPU here) and
+# compile nothing until start_deferred; then the background threads compile every candidate of the
+# one and the given tiles of the other.
+_BACKGROUND_SCRIPT = """
+import os, sys, time
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
 import torch, triton
 from sdpatch.kernels.runtime import CompileOnlyDriver
 
 triton.runtime.driver.set_active(CompileOnlyDriver())
-from sdpatch.kernels import flash_fwd, runtime
+from sdpatch.kernels import flash_fwd, forward, runtime
 
-q, k, v = (torch.empty(2, 256, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 256, 2, 40).transpose(1, 2) for _ in range(3))
 meta = flash_fwd.fwd_meta(q, k, v, torch.empty_like(q), 0.2, None, False, None, False)
 candidates = flash_fwd._prune(flash_fwd.fwd_configs(False), {"N_K": 256}, **meta)
-q2, k2, v2 = (torch.empty(2, 128, 2, 40, dtype=torch.float16).transpose(1, 2) for _ in range(3))
+q2, k2, v2 = (torch.randn(2, 128, 2, 40).transpose(1, 2) for _ in range(3))
 tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-
-def dry_call():
-    flash_fwd.fa2_attn_fwd(q, k, v, 0.2)
-    flash_fwd.fa2_attn_fwd(q2, k2, v2, 0.2, config=tiles)
-    print(runtime.compiling_ahead(), flush=True)
-
-ran = runtime.compile_ahead(dry_call)
+plan = flash_fwd._fwd_plan
+flash_fwd._fwd_plan = lambda q, *a: runtime.Plan(plan(q, *a).meta, tiles if q.shape[2] == 128 else None)
+with runtime.compiles_in_background():
+    outs = [forward.flash_attn_fwd(*x, 0.2)[0] for x in ((q, k, v), (q2, k2, v2))]
+want = [torch.softmax(a @ b.transpose(-1, -2) * 0.2, -1) @ c for a, b, c in ((q, k, v), (q2, k2, v2))]
 cache = flash_fwd._attn_fwd_kernel.device_caches[0][0]
-print(ran, len(candidates), len(cache), all(not isinstance(c, triton.runtime._async_compile.FutureKernel) or c.kernel is not None
-                                           for c in cache.values()), runtime.compiling_ahead())
+print(runtime.stood_in(), max(((o - w).abs().max().item() for o, w in zip(outs, want))) < 1e-5, len(cache),
+      runtime.compiling_later())
+started = runtime.start_deferred()
+while runtime.compiling_later():
+    time.sleep(0.05)
+print(started, len(candidates), len(cache))
 """
 
 
-def test_compile_ahead_compiles_a_dry_calls_kernels_and_launches_none(tmp_path):
-    """A dry call under compile_ahead submits every kernel its launches would compile (the
-    autotuner's candidates of a new layout, the given tiles of another), launches none, and
-    returns once all have compiled."""
+def test_calls_in_background_mode_stand_aside_and_compile_their_kernels_once_started(tmp_path):
+    """Inside compiles_in_background, new layouts' calls are served by the stand-in (SDPA) and hand
+    their compiles (every autotune candidate, or the given tiles) to background threads, which
+    start at start_deferred and leave every kernel compiled."""
     import subprocess
     import sys
 
     from sdpatch.kernels import runtime
 
-    if runtime._AsyncCompileMode is None or runtime.COMPILE_THREADS < 2:
-        pytest.skip("this Triton has no async compile mode, or the machine one core")
-    done = subprocess.run([sys.executable, "-c", _AHEAD_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+    if runtime._AsyncCompileMode is None:
+        pytest.skip("this Triton compiles nothing in the background (no async compile mode)")
+    done = subprocess.run([sys.executable, "-c", _BACKGROUND_SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    inside, ran, candidates, cached, finished, after = done.stdout.split()
-    assert (inside, ran, finished, after) == ("True", "True", "True", "False")
+    served, exact, cached_before, compiling, started, candidates, cached = done.stdout.split()
+    assert (served, exact, cached_before, compiling, started) == ("2", "True", "0", "True", "2")
     assert int(candidates) > 1 and int(cached) == int(candidates) + 1
 
 
-def test_a_compile_for_later_asked_in_a_dry_call_starts_after_the_dry_calls_own(monkeypatch):
-    """compile_later inside compile_ahead waits for the dry call's compiles to be done (start_deferred)
-    before it starts; its future then says when it is done, and compiling_later() until then."""
+def test_a_compile_for_later_starts_at_start_deferred(monkeypatch):
+    """compile_later queues its compile until start_deferred; its future then says when it is
+    done, and compiling_later() until then."""
     from sdpatch.kernels import runtime
 
     built = []
@@ -342,11 +347,10 @@ def test_a_compile_for_later_asked_in_a_dry_call_starts_after_the_dry_calls_own(
         def warmup(self, *args, grid, **consts):
             built.append((args, grid, consts))
 
-    monkeypatch.setattr(runtime, "_ahead", object())  # inside a dry call
+    monkeypatch.setattr(runtime, "_deferred", [])
     future = runtime.compile_later(torch.device("cpu"), [(Kernel(), (1, 1, 1), (7,), {"BLOCK": 16})])
     assert runtime.compiling_later() and not future.running() and not built
-    monkeypatch.setattr(runtime, "_ahead", None)
-    runtime.start_deferred()
+    assert runtime.start_deferred() == 1
     future.result(timeout=60)
     assert built == [((7,), (1, 1, 1), {"BLOCK": 16})] and not runtime._deferred
     for _ in range(100):  # the done callback runs on the compile thread, just after the result is set
@@ -354,6 +358,70 @@ def test_a_compile_for_later_asked_in_a_dry_call_starts_after_the_dry_calls_own(
             break
         time.sleep(0.01)
     assert not runtime.compiling_later()
+
+
+def test_stands_aside_until_the_background_compile_is_done_then_raises_what_it_raised(monkeypatch):
+    """A plan's call in background mode hands its compile to compile_later once and stands aside
+    while it runs; out of that mode nothing new is handed over; a compile done lets the next call
+    through, and one that failed raises there, once."""
+    from concurrent.futures import Future
+
+    from sdpatch.kernels import runtime
+
+    later = []
+    monkeypatch.setattr(runtime, "compile_later", lambda device, runs: later.append((Future(), runs)) or later[-1][0])
+    cpu = torch.device("cpu")
+    plan, fresh, failing = runtime.Plan({}), runtime.Plan({}), runtime.Plan({})
+    assert not runtime.stands_aside(plan, cpu, lambda: ["launch"])  # out of background mode: the kernel serves
+    monkeypatch.setattr(runtime, "_background", 1)
+    assert runtime.stands_aside(plan, cpu, lambda: ["launch"]) and later[0][1] == ["launch"]
+    assert runtime.stands_aside(plan, cpu, lambda: ["again"]) and len(later) == 1
+    fresh.binaries["tiles"] = object()  # launched before: nothing to compile
+    assert not runtime.stands_aside(fresh, cpu, list) and len(later) == 1
+    monkeypatch.setattr(runtime, "_background", 0)
+    assert runtime.stands_aside(plan, cpu, list)  # still compiling
+    later[0][0].set_result(None)
+    assert not runtime.stands_aside(plan, cpu, list) and not runtime.stands_aside(plan, cpu, list)
+    monkeypatch.setattr(runtime, "_background", 1)
+    assert not runtime.stands_aside(plan, cpu, list) and len(later) == 1  # served once: never handed over again
+    assert runtime.stands_aside(failing, cpu, list)
+    later[1][0].set_exception(RuntimeError("ptxas died"))
+    with pytest.raises(RuntimeError, match="ptxas died"):
+        runtime.stands_aside(failing, cpu, list)
+    assert not runtime.stands_aside(failing, cpu, list)
+
+
+STAND_IN = [(False, "none", True), (True, "none", False), (False, "bool", False), (False, "padding", False)]
+
+
+@pytest.mark.parametrize("return_lse,mask,stands_in", STAND_IN, ids=[f"{'lse' if l else 'no-lse'}-mask-{m}" for l, m, _ in STAND_IN])
+def test_while_a_layout_compiles_sdpa_stands_in_for_unmasked_calls_without_the_lse(monkeypatch, return_lse, mask, stands_in):
+    """flash_attn_fwd in background mode: an unmasked call that needs no log-sum-exp gets SDPA's
+    result while the layout compiles (the same attention; counted), then the kernel's. A call that
+    asks for the log-sum-exp, or has a mask (SDPA gives NaN where every key of a row is masked,
+    sdpatch zeros), gets the kernel at once."""
+    from concurrent.futures import Future
+
+    from sdpatch.attention.naive import attention_ref
+    from sdpatch.kernels import flash_fwd, forward, runtime
+
+    later = []
+    monkeypatch.setattr(runtime, "compile_later", lambda device, runs: later.append(Future()) or later[-1])
+    monkeypatch.setattr(flash_fwd, "_plans", {})
+    monkeypatch.setattr(runtime, "_background", 1)
+    q, k, v = make_qkv(2, 3, 33, 17, 16, torch.float32)
+    m = make_mask(mask, 2, 3, 33, 17, torch.float32)
+    ref = attention_ref(q, k, v, scale=0.25, attn_mask=m)
+    served = runtime.stood_in()
+    out, lse = forward.flash_attn_fwd(q, k, v, 0.25, m, return_lse=return_lse)
+    assert rel_err(out, ref) < RTOL[torch.float32] and (lse is not None) is return_lse
+    assert runtime.stood_in() == served + stands_in and len(later) == stands_in
+    if stands_in:
+        later[0].set_result(None)
+        out, _ = forward.flash_attn_fwd(q, k, v, 0.25)
+        assert rel_err(out, ref) < RTOL[torch.float32] and runtime.stood_in() == served + 1
+    (plan,) = flash_fwd._plans.values()  # its constexprs reach the kernel: nothing else in them
+    assert set(plan.meta) <= set(flash_fwd._attn_fwd_kernel.arg_names)
 
 
 def test_precompile_leaves_every_candidate_compiled(tmp_path):

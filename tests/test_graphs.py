@@ -87,60 +87,103 @@ def test_first_call_warms_up_and_captures_then_replays(unet):
     assert runner.stats.eager_reasons == {graphs.WARMUP: 1}
 
 
-def test_a_new_signature_compiles_ahead_once_before_its_warm_up(unet, monkeypatch):
-    """A new signature's first warm-up call is preceded by one dry call under the kernels' capture
-    mode (it compiles what the warm-up launches); its second warm-up, its replays and a signature
-    seen before have none. Its time is in the stats."""
+def test_a_new_signatures_first_warm_up_compiles_in_the_background_and_starts_them_after_its_capture(unet, monkeypatch):
+    """A new signature's first warm-up call (and only it) runs with new layouts' compiles sent to the
+    background, under the kernels' capture mode; the compiles it asked for start once the signature
+    is captured, not before (they would hold the GIL the warm-up needs), and a replay starts any
+    left waiting."""
     from sdpatch.kernels import forward
 
-    dry = []
+    events = []
 
-    def compile_ahead(run):
-        dry.append(forward._capture_depth)
-        run()
-        return 0.25
+    @contextlib.contextmanager
+    def in_background():
+        events.append(("background", forward._capture_depth))
+        yield
 
-    monkeypatch.setattr(graphs, "_compile_ahead", compile_ahead)
+    monkeypatch.setattr(graphs, "_in_background", in_background)
+    monkeypatch.setattr(graphs, "_start_deferred", lambda: events.append("start") or 0)
     runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS)
+    real_capture = runner._capture
+    monkeypatch.setattr(runner, "_capture", lambda *a: events.append("capture") or real_capture(*a))
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
-        for _ in range(4):  # two warm-up calls, the capture, a replay
-            runner(**kw)
-        assert dry == [1] and capture.captures == 1
+        runner(**kw)
+        assert events == [("background", 1)]
+        runner(**kw)  # the second warm-up, and the capture
+        assert events == [("background", 1), "capture", "start"]
+        runner(**kw)  # a replay
+        assert events[3:] == ["start"] and capture.captures == 1
         runner(**{**kw, "sample": kw["sample"][:1], "timestep": kw["timestep"][:1],
                   "encoder_hidden_states": kw["encoder_hidden_states"][:1]})
-    assert dry == [1, 1] and runner.stats.compile_s == 0.5 and runner.stats.to_dict()["compile_s"] == 0.5
+    assert events[4:] == [("background", 1)]
 
 
-def test_a_graph_captured_while_kernels_compile_is_captured_again_once_they_are_done(unet, monkeypatch):
-    """Captured while faster kernels still compiled in the background, a graph holds their stand-ins:
-    it replays until they are done, then the signature warms up once more (no dry call) and is
-    captured again; a graph captured after that is kept."""
-    from sdpatch.kernels import forward
-
-    compiling, dry = [True], []
+def stand_in_runner(unet, compiling: list, monkeypatch, **options):
+    """A runner whose module's calls count as stand-ins' while ``compiling[0]`` (the kernels compile
+    in the background), as sdpatch.kernels.forward.stand_in counts them."""
+    served, pools = [0], []
     monkeypatch.setattr(graphs, "_compiling_later", lambda: compiling[0])
-    monkeypatch.setattr(graphs, "_compile_ahead", lambda run: dry.append(forward._capture_depth) or 0.0)
-    pools = []
-    runner, capture = fake_runner(unet, warmup=graphs.WARMUP_CALLS, pool_factory=lambda: pools.append(object()) or pools[-1])
+    monkeypatch.setattr(graphs, "_stood_in", lambda: served[0])
+    monkeypatch.setattr(graphs, "_start_deferred", lambda: 1)
+
+    def forward(*args, **kwargs):
+        served[0] += compiling[0]
+        return unet.forward(*args, **kwargs)
+
+    capture = Capture()
+    runner = graphs.GraphRunner(unet, forward, graph_factory=FakeGraph, capture_context=capture, reserved=lambda: 0,
+                                pool_factory=lambda: pools.append(object()) or pools[-1], **options)
+    FakeGraph.runner = runner
+    return runner, capture, pools
+
+
+def test_a_graph_holding_stand_ins_is_captured_again_once_the_kernels_are_done(unet, monkeypatch):
+    """Captured while stand-ins served (its kernels compiling in the background), a graph replays until
+    they are done; then the signature warms up again, twice (the first call tunes or first launches
+    each kernel, which a capture cannot hold), and is captured with them. That graph is kept."""
+    compiling = [True]
+    runner, capture, pools = stand_in_runner(unet, compiling, monkeypatch, warmup=graphs.WARMUP_CALLS)
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
         want = unet(**kw).sample
         outs = [runner(**kw).sample for _ in range(4)]  # two warm-ups (the second captures), two replays
-        assert capture.captures == 1 and runner.stats.replays == 2
+        assert capture.captures == 1 and runner.stats.stand_in_replays == 2
+        assert next(iter(runner.entries.values())).provisional
         compiling[0] = False
-        outs += [runner(**kw).sample for _ in range(3)]  # a warm-up that captures again, two replays
-    assert capture.captures == 2 and dry == [1] and runner.stats.replays == 4
+        outs += [runner(**kw).sample for _ in range(4)]  # two warm-ups (the second captures again), two replays
+    st = runner.stats
+    assert capture.captures == 2 and st.replays == 4 and st.stand_in_replays == 2 and st.compile_s > 0
     assert len(pools) == 2  # the provisional graph was the pool's last: the new one takes a new pool
-    assert runner.stats.graphs == 1 and runner.stats.recaptures == 1 and runner.stats.eager_calls == 3
+    assert st.graphs == 1 and st.recaptures == 1 and st.eager_calls == 4
     assert not next(iter(runner.entries.values())).provisional
     assert all(rel_err(out, want) < RTOL for out in outs)
 
 
-def test_compiling_ahead_where_it_cannot_run_takes_no_time():
-    """Without Triton's async compile (here: the interpreter), the dry call does not run."""
-    calls = []
-    assert graphs._compile_ahead(lambda: calls.append(1)) == 0.0 and calls == []
+def test_a_graph_captured_without_stand_ins_is_kept_while_other_kernels_compile(unet, monkeypatch):
+    """Only a graph that holds stand-ins is captured again: other kernels compiling in the background
+    (another module's, another size's) leave it be."""
+    compiling = [False]
+    runner, capture, _ = stand_in_runner(unet, compiling, monkeypatch, warmup=graphs.WARMUP_CALLS)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for _ in range(2):
+            runner(**kw)
+        compiling[0] = True  # from now on, every call would be served by stand-ins: a replay calls nothing
+        for _ in range(2):
+            runner(**kw)
+        compiling[0] = False
+        runner(**kw)
+    assert capture.captures == 1 and runner.stats.recaptures == 0 and runner.stats.replays == 3
+
+
+def test_background_compiles_are_off_in_the_interpreter():
+    """The interpreter compiles nothing: a first warm-up there runs its layouts as they come."""
+    from sdpatch.kernels import runtime
+
+    with graphs._in_background():
+        assert runtime._background == 0
+    assert graphs._start_deferred() == 0 and not graphs._compiling_later()
 
 
 def test_replay_returns_a_copy_the_next_replay_does_not_overwrite(unet):
