@@ -4,8 +4,8 @@ On a fast GPU a diffusers denoising step is bound by the host: PyTorch's eager m
 in Python and kernel launches than the GPU spends in the kernels (SD 1.5 at 512² on an H200: 28 ms a
 step eagerly, 12 ms replayed from a graph). :func:`capture` wraps a module's ``forward`` so that each
 new input signature (the tree of arguments, with every tensor's shape, dtype, device and strides, and
-every other value) runs eagerly ``warmup`` times (:data:`WARMUP_CALLS`), which autotunes and compiles
-the kernels, and is captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later
+every other value) runs eagerly ``warmup`` times (:data:`WARMUP_CALLS`), which autotunes the kernels
+and launches each a first time, and is captured into a ``torch.cuda.CUDAGraph`` right after the last of them; every later
 call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
 first two steps carry the warm-up and the capture; every other step is a replay.
 
