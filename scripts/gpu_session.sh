@@ -9,7 +9,7 @@
 # CHECK_SHARDS=N splits check_gpu.py's list over N processes, e.g.
 #   SHARE_GPU=1 CHECK_SHARDS=3 bash scripts/gpu_session.sh check sanitize sanitize=gluon
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps, host=PARTS --parts PARTS to bench_host.py (comma-separated case names or substrings;
-# e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets); TRAIN_ARGS="--sizes 768 ..." go to bench_train_step.py; for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
+# e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets, E2E_ROUNDS its rounds); TRAIN_ARGS="--sizes 768 ..." go to bench_train_step.py; for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
 # from the start (default 570: the lent machines allow 600 per call). Logs and results go to /tmp/gpu_session
@@ -83,7 +83,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
-    e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" \
+    e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" --rounds "${E2E_ROUNDS:-2}" \
            --json "$W/bench_e2e.json" > "$W/bench_e2e.log" 2>&1 || rc=$? ;;
     host) $t python3 "$REPO/scripts/bench_host.py" ${only:+--parts "$only"} --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
