@@ -225,6 +225,9 @@ def speed_lines(speed: dict[str, Any] | None) -> list[str]:
             f"{format_bytes(st['pool_bytes'])}, {st['replays']} calls replayed, {eager} eager"
             + (f" ({'; '.join(f'{r}: {n}' for r, n in st['eager_reasons'].items())})" if eager else "")
         )
+    if speed.get("compiling_in_background"):
+        lines.append("kernels still compiling in the background: the process exits once they are done, "
+                     "and later runs find them in Triton's cache")
     if speed.get("compile"):
         lines.append("compiled: the UNet's transformer blocks (torch.compile, regional; on-disk caches)")
     return lines
@@ -791,12 +794,13 @@ def atomic_write(path: Path, write: Callable[[Any], Any]) -> None:
 
 def _speed_report(pipe: Any, speed: dict[str, Any] | None) -> dict[str, Any] | None:
     """The speed levers applied, with what each graphed component's graphs did so far."""
+    from sdpatch import graphs
     from sdpatch.speed import graph_stats
 
     stats = graph_stats(pipe)
     if not speed and not stats:
         return None
-    return {**(speed or {}), "graphs": stats}
+    return {**(speed or {}), "graphs": stats, "compiling_in_background": bool(stats) and graphs.compiling_later()}
 
 
 def _patch_report(pipe: Any) -> dict[str, Any] | None:

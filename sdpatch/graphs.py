@@ -144,7 +144,7 @@ class GraphRunner:
         key, reason = self._signature(leaves, spec)
         if reason is None:
             entry = self.entries.get(key)
-            if entry is not None and entry.provisional and not _compiling_later():
+            if entry is not None and entry.provisional and not compiling_later():
                 self._drop(key)
                 entry = None
             if entry is not None:
@@ -320,7 +320,7 @@ def _start_deferred() -> int:
     return 0 if runtime is None else runtime.start_deferred()
 
 
-def _compiling_later() -> bool:
+def compiling_later() -> bool:
     """Whether kernels are still compiling in the background (or still to start)."""
     runtime = _triton()
     return runtime is not None and runtime.compiling_later()

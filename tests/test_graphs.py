@@ -123,7 +123,7 @@ def stand_in_runner(unet, compiling: list, monkeypatch, **options):
     """A runner whose module's calls count as stand-ins' while ``compiling[0]`` (the kernels compile
     in the background), as sdpatch.kernels.forward.stand_in counts them."""
     served, pools = [0], []
-    monkeypatch.setattr(graphs, "_compiling_later", lambda: compiling[0])
+    monkeypatch.setattr(graphs, "compiling_later", lambda: compiling[0])
     monkeypatch.setattr(graphs, "_stood_in", lambda: served[0])
     monkeypatch.setattr(graphs, "_start_deferred", lambda: 1)
 
@@ -183,7 +183,7 @@ def test_background_compiles_are_off_in_the_interpreter():
 
     with graphs._in_background():
         assert runtime._background == 0
-    assert graphs._start_deferred() == 0 and not graphs._compiling_later()
+    assert graphs._start_deferred() == 0 and not graphs.compiling_later()
 
 
 def test_replay_returns_a_copy_the_next_replay_does_not_overwrite(unet):
@@ -369,3 +369,23 @@ def test_compile_where_inductor_cannot_load_is_off_with_its_reason(monkeypatch):
     blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
     assert not setup.compile and setup.notes == ["--compile off: inductor cannot load (TypeError: stand-in)"]
     assert blocks and all(getattr(b, "_compiled_call_impl", None) is None for b in blocks)
+
+
+STATS = graphs.GraphStats(graphs=1, recaptures=1, replays=17, eager_calls=4, capture_s=0.1, compile_s=1.5,
+                          stand_in_replays=8).to_dict()
+SPEED_LINES = [
+    ({"graphs": {"unet": STATS}, "compiling_in_background": False},
+     ["8 replays with SDPA standing in", "1 captured again once they had compiled (1.50 s)"], ["still compiling"]),
+    ({"graphs": {"unet": {**STATS, "recaptures": 0, "stand_in_replays": 19}}, "compiling_in_background": True},
+     ["19 replays with SDPA standing in", "kernels still compiling in the background"], ["captured again"]),
+    ({"graphs": {"unet": {**STATS, "recaptures": 0, "stand_in_replays": 0}}, "compiling_in_background": False},
+     ["CUDA graphs (unet): 1 captured"], ["standing in", "captured again", "still compiling"]),
+]
+
+
+@pytest.mark.parametrize("speed, shown, absent", SPEED_LINES, ids=["recaptured", "still-compiling", "no-stand-ins"])
+def test_the_report_says_what_the_stand_ins_and_background_compiles_did(speed, shown, absent):
+    from sdpatch.generate import speed_lines
+
+    text = "\n".join(speed_lines(speed))
+    assert all(s in text for s in shown) and not any(s in text for s in absent)
