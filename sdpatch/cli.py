@@ -147,8 +147,9 @@ CompileOpt = Annotated[
     bool,
     typer.Option(
         "--compile",
-        help="torch.compile the UNet's transformer blocks (regional compilation), with on-disk caches: the first "
-        "run at a size compiles, later ones start from the cache.",
+        help="torch.compile the UNet's transformer models and ResNet blocks, each on its own (regional "
+        "compilation), with on-disk caches: the first run at a size compiles (about a minute), later ones start "
+        "from the cache.",
     ),
 ]
 AllowFp8Opt = Annotated[

@@ -229,7 +229,7 @@ def speed_lines(speed: dict[str, Any] | None) -> list[str]:
         lines.append("kernels still compiling in the background: the process exits once they are done, "
                      "and later runs find them in Triton's cache")
     if speed.get("compile"):
-        lines.append("compiled: the UNet's transformer blocks (torch.compile, regional; on-disk caches)")
+        lines.append("compiled: the UNet's transformer models and ResNet blocks (torch.compile, regional; on-disk caches)")
     return lines
 
 

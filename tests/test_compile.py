@@ -92,6 +92,24 @@ def test_patched_unet_compiles_whole_and_matches_eager(name):
     assert rel_err(compiled, eager) < RTOL
 
 
+def test_regional_compile_of_a_patched_unet_matches_eager(monkeypatch, tmp_path):
+    """--compile's regions (each Transformer2DModel and ResnetBlock2D, whole: fullgraph) around the op."""
+    import torch._dynamo.config as dynamo_config
+
+    from sdpatch import speed
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    unet = arch.build("sd15")
+    patch_unet(unet, backend="triton")
+    kw = _small_inputs(unet)
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    with torch.no_grad(), dynamo_config.patch({limit: getattr(dynamo_config, limit)}):  # restored after
+        eager = unet(**kw).sample
+        assert speed.compile_blocks(unet, backend="aot_eager")
+        compiled = unet(**kw).sample
+    assert rel_err(compiled, eager) < RTOL
+
+
 def test_patched_unet_training_step_compiles_whole_and_matches_eager():
     torch.manual_seed(0)
     unet = arch.build("sd15").train()

@@ -338,23 +338,41 @@ def test_warm_up_and_capture_launch_as_for_a_graph_and_other_calls_as_eager(unet
     assert modes[-1] is False and forward._capture_depth == 0
 
 
-def test_compile_marks_each_repeated_transformer_block_and_turns_the_caches_on(monkeypatch, tmp_path):
-    """--compile: every BasicTransformerBlock compiled (lazily: nothing runs here), inductor's
-    on-disk caches on, in sdpatch's folder unless the user chose one."""
+def test_compile_marks_each_region_static_and_turns_the_caches_on(monkeypatch, tmp_path):
+    """--compile: every Transformer2DModel and ResnetBlock2D compiled on its own, static shapes
+    (lazily: nothing runs here), no transformer block inside them compiled apart, dynamo allowed
+    a compile per ResNet block shape, inductor's on-disk caches on, in sdpatch's folder unless the
+    user chose one."""
     import os
 
+    import torch._dynamo.config as dynamo_config
     from diffusers.models.attention import BasicTransformerBlock
 
-    from sdpatch.speed import compile_unavailable
+    from sdpatch.speed import COMPILED_BLOCKS, RECOMPILE_LIMIT, compile_unavailable
 
     if (reason := compile_unavailable()) is not None:
         pytest.skip(reason)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr("sdpatch.speed.CACHE_DIR", tmp_path / "inductor")
+    calls = []
+    original = torch.nn.Module.compile
+
+    def compile(module, **kwargs):
+        calls.append((type(module).__name__, kwargs))
+        original(module, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile)
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     pipe = arch.sd_pipeline()
-    setup = speed_up(pipe, cuda_graphs=False, compile=True)
+    with dynamo_config.patch({limit: 8}):  # dynamo's default, restored after
+        setup = speed_up(pipe, cuda_graphs=False, compile=True)
+        assert getattr(dynamo_config, limit) == RECOMPILE_LIMIT
+    regions = [m for m in pipe.unet.modules() if type(m).__name__ in COMPILED_BLOCKS]
+    assert setup.compile and {type(m).__name__ for m in regions} == set(COMPILED_BLOCKS)
+    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in regions)
+    assert len(calls) == len(regions) and all(kw == {"fullgraph": True, "dynamic": False} for _, kw in calls)
     blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
-    assert setup.compile and blocks and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert blocks and all(getattr(b, "_compiled_call_impl", None) is None for b in blocks)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
 
 
