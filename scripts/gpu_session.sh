@@ -3,12 +3,13 @@
 #   bash scripts/gpu_session.sh "LANE" ["LANE" ...]
 # A lane is a space-separated list of steps run one after another; lane i runs on GPU i, all lanes
 # at once (on a one-GPU machine, one after another on GPU 0). Steps:
-#   check graphs e2e sanitize sweep bench host unet compare train planner tune multi (multi takes every GPU)
+#   check graphs e2e compile sanitize sweep bench host unet compare train planner tune multi (multi takes every GPU)
 # e.g.  bash scripts/gpu_session.sh "sanitize check sweep" "compare planner"
 # SHARE_GPU=1 runs every lane at once on GPU 0 (for steps that time nothing: check, sanitize), and
 # CHECK_SHARDS=N splits check_gpu.py's list over N processes, e.g.
 #   SHARE_GPU=1 CHECK_SHARDS=3 bash scripts/gpu_session.sh check sanitize sanitize=gluon
 # sweep=ONLY, bench=ONLY and check=ONLY pass --only ONLY to those steps, host=PARTS --parts PARTS to bench_host.py (comma-separated case names or substrings;
+# compile=ONLY bench_compile.py's (COMPILE_PRESETS its presets, COMPILE_RUNS cold,warm or one of them);
 # e2e=ONLY picks bench_e2e.py's configurations (E2E_PRESETS=sd15:512,... its presets, E2E_ROUNDS its rounds); TRAIN_ARGS="--sizes 768 ..." go to bench_train_step.py; for sweep and bench also fwd / bwd, and parts joined by +, e.g. sweep=bwd+x77);
 # sanitize=bwd checks the backward kernels only, sanitize=gluon the Gluon Hopper forward.
 # Each step is cut off after STEP_TIMEOUT seconds (default 540), and none runs past BUDGET_S seconds
@@ -85,6 +86,8 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
     e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" --rounds "${E2E_ROUNDS:-2}" \
            --json "$W/bench_e2e.json" > "$W/bench_e2e.log" 2>&1 || rc=$? ;;
+    compile) $t python3 "$REPO/scripts/bench_compile.py" ${only:+--only "$only"} --presets "${COMPILE_PRESETS:-sd15:512}" \
+               --runs "${COMPILE_RUNS:-cold,warm}" --json "$W/bench_compile.json" > "$W/bench_compile.log" 2>&1 || rc=$? ;;
     host) $t python3 "$REPO/scripts/bench_host.py" ${only:+--parts "$only"} --json "$W/bench_host.json" > "$W/bench_host.log" 2>&1 || rc=$? ;;
     unet) $t python3 "$REPO/scripts/bench_unet.py" --json "$W/bench_unet.json" > "$W/bench_unet.log" 2>&1 || rc=$? ;;
     compare) $t python3 -m sdpatch compare --model sd15 --sizes 512,1024,2048 --backends stock,naive,sliced,sdpa,triton,chunked \
