@@ -104,6 +104,9 @@ def summarize(report: dict) -> dict:
         "image": first["path"],
         "peak_allocated": total.get("peak_allocated"),
         "peak_reserved": total.get("peak_reserved"),
+        # Where each image's peaks lie: (phase, peak allocated, peak reserved), first image then last.
+        "phase_peaks": [[(p["name"], p.get("peak_allocated"), p.get("peak_reserved")) for p in image["phases"]]
+                        for image in (first, last)],
         "graph_pool": graphs.get("pool_bytes"),
         "graph_replays": graphs.get("replays"),
         "graph_eager": graphs.get("eager_calls"),
