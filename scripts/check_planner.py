@@ -168,8 +168,8 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
         cases = [(size, budget) for model, size, budget in SMALL_CARDS if model == name and (not sizes or size in sizes)]
         for size, budget in cases:
             # A new CPU pipeline per case: each model's second case, planned on a pipeline that an
-            # earlier plan had been applied to and removed from, ran 1.0-1.3x slower against its
-            # levers by hand than the first case did (2026-12-02/03), for no known reason.
+            # earlier plan had been applied to and removed from, stood 1.1-1.4x worse against its
+            # levers by hand than the first case (2026-12-02/03), for no known reason.
             cpu_pipe = build_preset(name, device="cpu", dtype=torch.float16)
             apply_backend(cpu_pipe, "auto")
             cpu_pipe.set_progress_bar_config(disable=True)
