@@ -241,6 +241,21 @@ def paired_ratio(times: list[float], base: list[float]) -> tuple[float, float, f
     return med, q1, q3
 
 
+def settle_graphs(call) -> float:
+    """Wait for the kernels sdpatch's CUDA graphs compile in the background, then call ``call`` for
+    a warm-up and capture (a graph that held stand-ins is captured again with the kernels; one
+    that did not just replays); the seconds waited."""
+    from sdpatch import graphs
+
+    start = time.perf_counter()
+    while graphs.compiling_later():
+        time.sleep(0.01)
+    waited = time.perf_counter() - start
+    for _ in range(graphs.WARMUP_CALLS):
+        call()
+    return waited
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -41,7 +41,7 @@ WORKER_TIMEOUT_S = 420
 def worker(config: str, preset: str, size: int) -> dict:
     import torch
 
-    from _bench import rel_err, timed_ms, unet_inputs
+    from _bench import rel_err, settle_graphs, timed_ms, unet_inputs
     from sdpatch import graphs, speed
     from sdpatch.generate import apply_backend
     from sdpatch.models import build_preset
@@ -72,14 +72,7 @@ def worker(config: str, preset: str, size: int) -> dict:
             torch.cuda.synchronize()
             first_calls.append(round(time.perf_counter() - s, 3))
         steady_after = time.perf_counter() - start
-        waited = 0.0
-        if graphs.compiling_later():
-            s = time.perf_counter()
-            while graphs.compiling_later():
-                time.sleep(0.05)
-            waited = time.perf_counter() - s
-            for _ in range(graphs.WARMUP_CALLS + 1):  # the graph dropped, warmed up and captured again
-                call(**kw)
+        waited = settle_graphs(lambda: call(**kw)) if not config.endswith("-ro") else 0.0
         err = rel_err(call(**kw).sample, ref)
         ms = min(timed_ms(lambda: call(**kw), calls=30) for _ in range(3))
     runner = graphs.runner_of(unet)

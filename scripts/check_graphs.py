@@ -16,6 +16,7 @@ Exit code 0 only if every check passes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,8 +25,9 @@ import torch
 
 from sdpatch import graphs, patch_unet
 from sdpatch.kernels.forward import for_capture
-from sdpatch.kernels.runtime import compiling_later
 from sdpatch.models import build_preset
+
+from _bench import settle_graphs
 
 REPLAY_RTOL = 1e-3
 COMPILE_RTOL = 2e-2
@@ -68,12 +70,7 @@ def check_replay(preset: str, side: int) -> None:
         kw = unet_inputs(unet, 2, side)
         for _ in range(graphs.WARMUP_CALLS):  # warm-up, then capture
             runner(**kw)
-        waited = time.perf_counter()
-        while compiling_later():  # the kernels, compiled in the background while SDPA stood in
-            time.sleep(0.01)
-        waited = time.perf_counter() - waited
-        for _ in range(graphs.WARMUP_CALLS):  # warmed up and captured again if the graph holds stand-ins, else replays
-            runner(**kw)
+        waited = settle_graphs(functools.partial(runner, **kw))  # the kernels compiled in the background while SDPA stood in
         replays = runner.stats.replays
         fresh = {**kw, "sample": torch.randn_like(kw["sample"])}
         with for_capture():  # eager calls on the kernels the graph holds
