@@ -12,7 +12,8 @@ Each launch costs the host as much as a whole kernel at 77 keys: a separate delt
 PyTorch ops adding the partial sums made 7 launches there; now there are 3.
 
 Splitting dQ from dK/dV, and adding partial sums in a fixed order, avoids atomics: results are
-deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts).
+deterministic. The head dim is tiled as in the forward kernel (one padded tile, or two parts), by
+the backward's own split rule (:func:`shared.head_dim_parts`).
 
 A row with one live key (one key in all, or every other masked) has dS = 0, so dQ = 0 and no share
 of dK, exactly, in PyTorch. Here dS = P * (dP - delta), and delta = rowsum(dO * O) sums the same
@@ -430,7 +431,7 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     assert 1 <= D <= SERVES.max_head_dim, f"head dim {D} outside 1..{SERVES.max_head_dim}"
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, out, *grads)
-    block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk)
+    block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk, backward=True)
     splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
@@ -488,8 +489,8 @@ def flash_attn_bwd(
     log-sum-exp from :func:`flash_attn_fwd`; mask as given to the forward (4-D, broadcastable).
     config: BLOCK_M, BLOCK_N, num_warps, num_stages to launch with instead of autotuning: one
     dict for both kernels, or a (dK/dV kernel, dQ kernel) pair.
-    split_head_dim: tile the head dim as two power-of-two parts, as the forward does (80 = 64 + 16,
-    160 = 128 + 32); None decides by head dim, layout and mask, by the forward's rule.
+    split_head_dim: tile the head dim as two power-of-two parts (40 = 32 + 16, 80 = 64 + 16,
+    160 = 128 + 32); None decides by head dim, layout and mask (:func:`shared.tiling`, backward).
     query_splits: dK/dV programs per key block, each over a share of the queries, their fp32 partial
     sums added afterwards; None decides by the GPU's size (see :func:`default_query_splits`).
     Returns (dq, dk, dv) in the inputs' dtype and layouts.

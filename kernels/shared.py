@@ -74,22 +74,25 @@ def split_parts(head_dim: int, halves: bool = False) -> tuple[int, int]:
     return (a, b) if 0 < b and (a + b < whole or halves) else (whole, 0)
 
 
-def head_dim_parts(head_dim: int, split: bool | None = None) -> tuple[int, int]:
+def head_dim_parts(head_dim: int, split: bool | None = None, backward: bool = False) -> tuple[int, int]:
     """Power-of-two tile widths (A, B) covering the head dim; B = 0 when one tile serves.
 
-    ``split=None`` splits where it was measured to pay (H200, triton 3.6, diffusers' layout):
-    when part B is at most a quarter of part A. 80 -> (64, 16) ran at 390 TFLOP/s against 285
-    padded to 128, and 160 -> (128, 32) at 382 against 200 padded to 256; 40 -> (32, 16), where
-    B is half of A, ran at 236 against 245 padded to 64, so 40 stays whole. Tiles are at least
-    16 wide (the tensor-core minimum); ``split=True`` forces two parts wherever the head dim allows.
+    ``split=None`` splits where it was measured to pay (H200, triton 3.6, diffusers' layout). The
+    forward splits when part B is at most a quarter of part A: 80 -> (64, 16) ran at 390 TFLOP/s
+    against 285 padded to 128, and 160 -> (128, 32) at 382 against 200 padded to 256; 40 -> (32, 16),
+    where B is half of A, ran at 236 against 245 padded to 64, so its 40 stays whole. The
+    ``backward``, five products a block pair to the forward's two, splits when B is at most half of
+    A: its 40 -> (32, 16) ran at 239 TFLOP/s against 213 padded (4096 tokens) and 247 against 218
+    (16384), with each tiling's best tiles. Tiles are at least 16 wide (the tensor-core minimum);
+    ``split=True`` forces two parts wherever the head dim allows.
     """
     a, b = split_parts(head_dim, halves=True)
     if split is None:
-        split = 0 < b <= a // 4
+        split = 0 < b <= a // (2 if backward else 4)
     return (a, b) if split and b > 0 else (max(16, triton.next_power_of_2(head_dim)), 0)
 
 
-def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: int) -> tuple[int, int]:
+def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: int, backward: bool = False) -> tuple[int, int]:
     """The head-dim tiles a launch uses: :func:`head_dim_parts`, but with ``split=None`` two parts
     only on aligned rows, without a mask, and with every sequence in ``lengths`` a whole number of
     128-row blocks. compute-sanitizer caught the two-part tiling reading shared memory out of bounds
@@ -97,7 +100,7 @@ def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: i
     address); these are the launches where it ran clean. The backward kernels follow the same rule."""
     if split is None and (align == 1 or kind != NO_MASK or any(n % 128 for n in lengths)):
         split = False
-    return head_dim_parts(head_dim, split)
+    return head_dim_parts(head_dim, split, backward)
 
 
 def mask_kind(mask: torch.Tensor | None) -> int:

@@ -85,8 +85,8 @@ def fwd_variants(c: Case) -> list[tuple[str, bool, bool]]:
 
 
 def bwd_variants(c: Case) -> list[str]:
-    """Both head-dim tilings where the launcher would split (80, 160), else its one tiling."""
-    return ["split", "one"] if head_dim_parts(c.D)[1] else ["one"]
+    """Both head-dim tilings where the backward launcher would split (40, 80, 160), else its one tiling."""
+    return ["split", "one"] if head_dim_parts(c.D, backward=True)[1] else ["one"]
 
 
 def tasks(c: Case) -> list[tuple]:

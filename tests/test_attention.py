@@ -564,12 +564,21 @@ def test_the_shipped_tables_hold_tiles_the_autotuners_offer():
 
 
 def test_head_dim_parts():
-    from sdpatch.kernels.shared import head_dim_parts
+    from sdpatch.kernels.shared import NO_MASK, head_dim_parts, tiling
 
     assert [head_dim_parts(d) for d in (40, 64, 80, 160, 24, 1, 256, 72)] == [
         (64, 0), (64, 0), (64, 16), (128, 32), (32, 0), (16, 0), (256, 0), (64, 16)
     ]
     assert head_dim_parts(40, True) == (32, 16) and head_dim_parts(160, False) == (256, 0)
+    # The backward also splits where part B is half of part A; a launch only on aligned, unmasked,
+    # whole 128-row blocks (tiling).
+    assert [head_dim_parts(d, backward=True) for d in (40, 64, 80, 160, 24, 96)] == [
+        (32, 16), (64, 0), (64, 16), (128, 32), (32, 0), (64, 32)
+    ]
+    assert tiling(40, None, 8, NO_MASK, 4096, 4096, backward=True) == (32, 16)
+    assert tiling(40, None, 8, NO_MASK, 4096, 4096) == (64, 0)
+    assert tiling(40, None, 8, NO_MASK, 4096, 77, backward=True) == (64, 0)
+    assert tiling(40, None, 1, NO_MASK, 4096, 4096, backward=True) == (64, 0)
 
 
 @pytest.mark.parametrize(
