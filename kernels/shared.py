@@ -97,7 +97,8 @@ def tiling(head_dim: int, split: bool | None, align: int, kind: int, *lengths: i
     only on aligned rows, without a mask, and with every sequence in ``lengths`` a whole number of
     128-row blocks. compute-sanitizer caught the two-part tiling reading shared memory out of bounds
     in its second p @ v dot with a mask and 77 keys (triton 3.6, H200: wrong results or an illegal
-    address); these are the launches where it ran clean. The backward kernels follow the same rule."""
+    address); these are the launches where it ran clean. The backward kernels follow the same
+    conditions, with their own split rule (``backward``)."""
     if split is None and (align == 1 or kind != NO_MASK or any(n % 128 for n in lengths)):
         split = False
     return head_dim_parts(head_dim, split, backward)

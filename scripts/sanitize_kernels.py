@@ -50,6 +50,8 @@ SHAPES = [  # B, H, Nq, Nk, D, mask, layout
     # Shapes the launcher splits the head dim on (no mask, whole key blocks), with query tails.
     (1, 2, 127, 256, 80, None, "bnhd"),
     (2, 1, 200, 128, 160, None, "bnhd"),
+    # The backward splits head dim 40 (32 + 16) where both lengths are whole 128-row blocks.
+    (1, 2, 256, 384, 40, None, "bnhd"),
 ]
 
 
