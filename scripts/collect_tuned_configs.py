@@ -1,11 +1,11 @@
 """Collect the autotuner's tiles at Stable Diffusion's layer shapes into the shipped table (needs a CUDA GPU).
 
-    python scripts/collect_tuned_configs.py --out tuned_sm_90.json   # then copy it to kernels/tuned/sm_90.json
+    python scripts/collect_tuned_configs.py --out tuned_sm_90.json   # then copy it to sdpatch/kernels/tuned/sm_90.json
 
 Runs, with sdpatch's default backend, one eager UNet call without gradients (batch 2: guidance)
 and one fp16-autocast training step (batch 2) of each preset at its usual sizes, so that the
 Triton forward and backward tune every layout those calls launch; then writes each tuned plan's
-tiles under the key the launchers look up (``kernels/runtime.py``'s ``shipped_config``), merged
+tiles under the key the launchers look up (``sdpatch/kernels/runtime.py``'s ``shipped_config``), merged
 into the table given with ``--base`` (entries measured now win). Layouts the Gluon forward serves
 tune nothing and are not in the table. The table is keyed by the GPU architecture: run it on the
 GPU whose tiles it is to hold.

@@ -36,8 +36,7 @@ if ! ls /tmp/fa4/*.part-a? >/dev/null 2>&1 && ls /tmp/fa4/*.whl >/dev/null 2>&1 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site /tmp/fa4/*.whl
 fi
 [ -d /tmp/fa4site ] && PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-# Run from outside the checkout: `python -m sdpatch` there would import its source tree, which
-# lacks the kernels the wheel installs as sdpatch.kernels.
+# Run from outside the checkout, so that the wheel's sdpatch is the one imported, not the source tree.
 REPO=$(pwd)
 OUT=$(cd "$OUT" && pwd)
 cd "$W" || exit 1
@@ -107,7 +106,7 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
         > "$W/check_planner_expandable.log" 2>&1 || rc=$?
       $t python3 -m sdpatch compare --model sd15 --sizes 1024,2048 --backends stock,auto --vram-budget 3 --steps 3 --seed 0 \
         --out "$W/compare_budget" --overwrite > "$W/compare_budget.log" 2>&1 || rc=$? ;;
-    tune) $t python3 "$REPO/scripts/collect_tuned_configs.py" --out "$W/tuned.json" > "$W/tune.log" 2>&1 || rc=$? ;;  # then kernels/tuned/sm_XY.json
+    tune) $t python3 "$REPO/scripts/collect_tuned_configs.py" --out "$W/tuned.json" > "$W/tune.log" 2>&1 || rc=$? ;;  # then sdpatch/kernels/tuned/sm_XY.json
     multi) OUT="$W/multi" $t bash "$REPO/scripts/bench_multi_gpu.sh" > "$W/multi.log" 2>&1 || rc=$? ;;
     *) echo "unknown step $s"; rc=2 ;;
   esac
