@@ -200,7 +200,7 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
                 est_allocated=max(p.allocated for p in chosen.estimate.phases), allocated=max(p.peak_allocated for p in phases),
                 phases=[(p.name, p.peak_allocated, p.peak_reserved) for p in phases],
                 est_phases=[(p.name, p.allocated, p.reserved) for p in chosen.estimate.phases],
-                step=step, hand_step=hand_step, predicted_slowdown=chosen.step_slowdown,
+                step=step, hand_step=hand_step, step_factor=chosen.cost.step_factor, step_seconds=chosen.cost.step_seconds,
             ))
             print(json.dumps(rows[-1]), flush=True)
             del cpu_pipe
@@ -212,24 +212,27 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
             try:
                 base, row["unplanned_step"], _ = timed(gpu_pipe, row["size"])
                 row["unplanned_reserved"] = max(p.peak_reserved for p in base)
+                # the plan's cost model (sdpatch.planner.PlanCost.step) from the unplanned step
+                row["predicted_step"] = row["unplanned_step"] * row["step_factor"] + row["step_seconds"]
             except torch.OutOfMemoryError:
-                row["unplanned_step"] = row["unplanned_reserved"] = None
+                row["unplanned_step"] = row["unplanned_reserved"] = row["predicted_step"] = None
             release()
         del gpu_pipe
         release()
     print(f"\nissue 29 targets ({SMALL_STEPS} steps after a warm-up run; peaks over the whole run):")
     print("| model | size | budget | levers | exact | streamed decode PSNR | est / measured reserved GiB | err | met | "
-          "est / measured allocated GiB | s/step | vs unplanned (predicted) | vs by hand |")
+          "est / measured allocated GiB | s/step (predicted) | vs unplanned | vs by hand |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['step'] / r['unplanned_step']:.2f}x" if r["unplanned_step"] else "unplanned OOM"
+        predicted = f" ({r['predicted_step']:.3f})" if r["predicted_step"] else ""
         hand = f"{r['step'] / r['hand_step']:.2f}x" if r["hand_step"] else "–"
         met = "yes" if r["reserved"] <= r["budget_gib"] * GIB else "NO"
         psnr = "–" if r["streamed_psnr_db"] is None else f"{r['streamed_psnr_db']:.1f} dB"
         print(f"| {r['model']} | {r['size']}² | {r['budget_gib']:g} GiB | {'; '.join(r['levers']) or '–'} | "
               f"{'yes' if r['exact'] else 'no'} | {psnr} | "
               f"{r['est_reserved'] / GIB:.2f} / {r['reserved'] / GIB:.2f} | {r['est_reserved'] / r['reserved'] - 1:+.1%} | "
-              f"{met} | {r['est_allocated'] / GIB:.2f} / {r['allocated'] / GIB:.2f} | {r['step']:.3f} | {ratio} ({r['predicted_slowdown']:.1f}x) | {hand} |")
+              f"{met} | {r['est_allocated'] / GIB:.2f} / {r['allocated'] / GIB:.2f} | {r['step']:.3f}{predicted} | {ratio} | {hand} |")
     print("\nper phase, estimated / measured allocated, reserved GiB:")
     for r in rows:
         cells = ", ".join(f"{PHASE_LABELS[n]} {ea / GIB:.2f}/{ma / GIB:.2f}, {er / GIB:.2f}/{mr / GIB:.2f}"

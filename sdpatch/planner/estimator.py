@@ -84,19 +84,22 @@ TRITON_AUTOTUNE_SCRATCH = 256 * 10**6
 
 PHASES = tuple(PHASE_LABELS)
 
-# The cost model: each weight lever's factor on a denoising step, measured on an H200 (issue 29,
-# SDXL UNet at 1024² and batch 2, fp16, torch 2.11, diffusers 0.42.1: 142 ms per step without a
-# lever). Group offload streams every weight each step, so the factor shrinks where the step's
-# compute grows (larger images); at smaller ones it may be larger. Not measured: sequential
-# offload (assumed no faster than leaf-level group offload without streams, 2x its factor), and
-# the per-image copies of the text encoder and model offloads, counted in seconds at
-# HOST_TO_DEVICE_BYTES_PER_S.
-STEP_SLOWDOWN = {
-    "group_offload:block_level": 455 / 142,
-    "group_offload:leaf_level": 350 / 142,
-    "fp8_storage": 259 / 142,
-    "sequential_offload": 2 * 350 / 142,
+# The cost model. Group offload streams the UNet's weights to the GPU in every UNet call, and a
+# step's copies and compute added up rather than overlapped: each kind of offload adds its
+# weights' bytes at its own rate per UNet call, the rates from issue 29's H200 measurement (SDXL
+# UNet, 1024², batch 2, fp16, torch 2.11, diffusers 0.42.1: 142 ms a step without a lever, 350 with
+# leaf level, 455 with block level, over 5.13 GB of weights). The planned runs of 2026-12-03 added
+# 71, 180, 194 and 2 x 88 ms a step at SD 1.5 512², SDXL 1024², SDXL 2048² and SD 1.5 2048² (split
+# CFG), 19.5-28.5 GB/s; leaf level's 24.7 predicts them within 20 %. Sequential offload: not
+# measured, assumed at half leaf level's rate (no streams). fp8 storage costs compute, a factor
+# on the step (259 / 142 ms). The per-image copies of the text encoders and model offload are
+# counted in seconds at HOST_TO_DEVICE_BYTES_PER_S.
+OFFLOAD_BYTES_PER_S = {
+    "group_offload:leaf_level": 5.13e9 / (0.350 - 0.142),
+    "group_offload:block_level": 5.13e9 / (0.455 - 0.142),
+    "sequential_offload": 5.13e9 / (0.350 - 0.142) / 2,
 }
+FP8_STEP_FACTOR = 259 / 142
 
 # Pageable copies over PCIe 4/5 x16: an assumption, not measured. The streamed decode's host store
 # is pinned, which copies faster: for it, an upper bound.
@@ -1015,24 +1018,39 @@ def host_weights(spec: ModelSpec, levers: Levers) -> int:
     return total
 
 
-def slowdown(spec: ModelSpec, shape: RunShape, levers: Levers) -> tuple[float, float]:
-    """The plan's expected cost: a factor on each denoising step (:data:`STEP_SLOWDOWN`) and the
-    seconds per image of host-device copies: whole models (text encoder and model offload) and the
-    streamed decode's strips with a host store, at :data:`HOST_TO_DEVICE_BYTES_PER_S`."""
-    factor = 1.0
-    if levers.sequential_offload:
-        factor *= STEP_SLOWDOWN["sequential_offload"]
-    elif levers.group_offload:
-        factor *= STEP_SLOWDOWN[f"group_offload:{levers.group_offload}"]
-    if levers.fp8_storage and not levers.sequential_offload:
-        factor *= STEP_SLOWDOWN["fp8_storage"]
+@dataclass(frozen=True)
+class PlanCost:
+    """A plan's expected time cost: a factor on each denoising step's compute (fp8 storage), the
+    seconds each step adds (the offloaded UNet weights' copies, :data:`OFFLOAD_BYTES_PER_S`, once
+    per UNet call) and the seconds per image of host-device copies (whole models; the streamed
+    decode's strips with a host store; :data:`HOST_TO_DEVICE_BYTES_PER_S`)."""
+
+    step_factor: float = 1.0
+    step_seconds: float = 0.0
+    image_seconds: float = 0.0
+
+    def step(self, unplanned_step: float) -> float:
+        """The expected planned step, from the unplanned one's seconds."""
+        return unplanned_step * self.step_factor + self.step_seconds
+
+
+def plan_cost(spec: ModelSpec, shape: RunShape, levers: Levers) -> PlanCost:
+    """The plan's expected cost (:class:`PlanCost`)."""
+    offload = "sequential_offload" if levers.sequential_offload else (
+        f"group_offload:{levers.group_offload}" if levers.group_offload else None)
+    step_seconds = 0.0
+    if offload is not None:
+        micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
+        calls = -(-shape.unet_batch // micro)  # UNet calls a step, each streaming every weight
+        step_seconds = calls * spec.weights.get("unet", 0) / OFFLOAD_BYTES_PER_S[offload]
+    factor = FP8_STEP_FACTOR if levers.fp8_storage and not levers.sequential_offload else 1.0
     copied = 0
     if levers.cpu_offload and not levers.sequential_offload:
         copied = sum(spec.weights.values()) - (spec.weights.get("unet", 0) if levers.group_offload else 0)
     elif levers.text_encoder_offload and not levers.sequential_offload:
         copied = sum(spec.weights.get(name, 0) for name in _TEXT_ENCODERS)
     copied += decode_host(spec, shape, levers)[1] / max(1, shape.batch)
-    return factor, copied / HOST_TO_DEVICE_BYTES_PER_S
+    return PlanCost(factor, step_seconds, copied / HOST_TO_DEVICE_BYTES_PER_S)
 
 
 # What a plan from configs assumes where it cannot look at the GPU (printed with it).

@@ -20,19 +20,20 @@ from sdpatch.memory import MIB, PHASE_LABELS, format_bytes, host_available_bytes
 from sdpatch.planner.estimator import (
     GIB,
     GPU_ASSUMPTIONS,
-    STEP_SLOWDOWN,
+    OFFLOAD_BYTES_PER_S,
     TRITON_AUTOTUNE_SCRATCH,
     AttentionCost,
     DeviceState,
     Estimate,
     ModelSpec,
     PlannerError,
+    PlanCost,
     RunShape,
     _attention_costs,
     decode_host,
     estimate,
     host_weights,
-    slowdown,
+    plan_cost,
 )
 from sdpatch.planner.levers import (
     EXACT_LEVERS,
@@ -127,8 +128,7 @@ class Plan:
     host_decode_bytes: int = 0  # the streamed decode's pinned host store at its peak (decode_host)
     host_available: int | None = None
     host_limit: str | None = None  # why no stronger plan was taken: the host's memory
-    step_slowdown: float = 1.0  # expected factor on each denoising step (STEP_SLOWDOWN)
-    copy_seconds: float = 0.0  # expected seconds per image of host-device copies (models, decode strips)
+    cost: PlanCost = PlanCost()  # expected time cost (a factor and seconds on each step, seconds an image)
 
     @property
     def fits(self) -> bool:
@@ -167,8 +167,9 @@ class Plan:
             "host_decode_bytes": self.host_decode_bytes,
             "host_available_bytes": self.host_available,
             "host_limit": self.host_limit,
-            "step_slowdown": self.step_slowdown,
-            "copy_seconds_per_image": self.copy_seconds,
+            "step_factor": self.cost.step_factor,
+            "step_seconds": self.cost.step_seconds,
+            "copy_seconds_per_image": self.cost.image_seconds,
         }
 
 
@@ -241,10 +242,10 @@ _SUBSUMED = {
 
 def _cheaper_and_smaller(spec: ModelSpec, kinds: tuple[str, ...]) -> list[str]:
     """The group offload kinds, mildest in memory first, without those that a stronger one beats
-    on time too (:data:`STEP_SLOWDOWN`): on the H200 measurement, block level was slower than
+    on time too (:data:`OFFLOAD_BYTES_PER_S`): on the H200 measurement, block level was slower than
     leaf level for the SDXL UNet and saved less, so leaf level is the only one offered."""
-    cost = {k: STEP_SLOWDOWN[f"group_offload:{k}"] for k in kinds}
-    return [k for i, k in enumerate(kinds) if not any(cost[s] <= cost[k] for s in kinds[i + 1 :])]
+    rate = {k: OFFLOAD_BYTES_PER_S[f"group_offload:{k}"] for k in kinds}
+    return [k for i, k in enumerate(kinds) if not any(rate[s] >= rate[k] for s in kinds[i + 1 :])]
 
 
 def _excess(est: Estimate, budget: int) -> int:
@@ -384,7 +385,6 @@ def plan_for(
             f"the host is the limit: a stronger plan keeps {format_bytes(need)} in host memory, "
             f"{format_bytes(device.host_available)} is available (it would swap)"
         )
-    factor, copy_seconds = slowdown(spec, shape, levers)
     return Plan(
         budget=budget,
         budget_label=budget_label or format_bytes(budget),
@@ -399,8 +399,7 @@ def plan_for(
         host_decode_bytes=decode_host(spec, shape, levers)[0],
         host_available=device.host_available,
         host_limit=host_limit,
-        step_slowdown=factor,
-        copy_seconds=copy_seconds,
+        cost=plan_cost(spec, shape, levers),
     )
 
 
@@ -522,8 +521,10 @@ def plan_lines(plan: dict[str, Any], measured: int | None) -> list[str]:
     if approximate:
         lines.append(f"plan: approximate, the image may differ: {'; '.join(approximate)}")
     costs = []
-    if plan.get("step_slowdown", 1.0) > 1.0:
-        costs.append(f"denoising steps about {plan['step_slowdown']:.1f}x slower")
+    if plan.get("step_seconds"):
+        costs.append(f"+{plan['step_seconds']:.2f} s per denoising step of weight copies")
+    if plan.get("step_factor", 1.0) > 1.0:
+        costs.append(f"denoising compute about {plan['step_factor']:.1f}x slower (fp8 weights cast each step)")
     if plan.get("copy_seconds_per_image"):
         costs.append(f"+{plan['copy_seconds_per_image']:.2f} s per image of host-device copies")
     if costs:
