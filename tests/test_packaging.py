@@ -14,9 +14,5 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_package_is_listed_in_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    dirs = {"sdpatch": ROOT / "sdpatch", **{name: ROOT / path for name, path in config["package-dir"].items()}}
-    found = set()
-    for name, folder in dirs.items():
-        for init in folder.rglob("__init__.py"):
-            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "sdpatch").rglob("__init__.py")}
     assert found - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
