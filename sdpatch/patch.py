@@ -242,7 +242,8 @@ def patch_unet(
             input shape, captured after a warm-up call (:func:`sdpatch.speed_up`; needs the model
             on CUDA and not offloaded, and inference). On a fast GPU, where the host bounds an
             eager step, this is what makes the pipeline faster than stock: on an H200 a step took
-            0.32-0.46x stock's with graphs, and 1.07-1.27x without (docs/benchmarks.md). Without
+            0.42x stock's at SD 1.5 512² and 0.58x at SDXL 1024² with graphs, and about stock's
+            without (docs/benchmarks.md, end to end). Without
             it, graphs applied earlier stay, and are dropped, since the processors they captured
             changed.
 
