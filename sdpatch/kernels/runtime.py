@@ -18,7 +18,7 @@ import inspect
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -304,8 +304,33 @@ def compile_later(device: torch.device, launches: list[tuple]):
     future = Future()
     _later.add(future)
     future.add_done_callback(_later.discard)
-    _deferred.append(functools.partial(_build, future, device, launches))
+    _deferred.append(functools.partial(_build, future, device, [_compile_only(run) for run in launches]))
     return future
+
+
+def _compile_only(run: tuple) -> tuple:
+    """A launch as compiling it needs: each tensor argument, and a tensor descriptor's base,
+    replaced by a placeholder of the same dtype, device and 16-byte alignment, which is all Triton
+    specializes a kernel on for them (sizes and strides are the kernels' integer arguments). A
+    compile waiting its turn then holds none of its call's tensors: a new layout's q, k, v and
+    output would stay allocated until it is done, seconds that outlast a short run's VAE decode."""
+    kernel, grid, args, consts = run
+    return kernel, grid, tuple(_placeholder_for(a) for a in args), consts
+
+
+def _placeholder_for(arg):
+    if isinstance(arg, torch.Tensor):
+        return _placeholder(arg.dtype, arg.device, arg.data_ptr() % 16 == 0)
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor) and is_dataclass(arg):  # Triton's TensorDescriptor
+        return replace(arg, base=_placeholder(base.dtype, base.device, True))  # its base is aligned
+    return arg
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device, aligned: bool) -> torch.Tensor:
+    """A few bytes of ``dtype`` on ``device``, starting 16-byte aligned or not (one element in)."""
+    t = torch.empty(32, dtype=dtype, device=device)  # allocations start at least 64-byte aligned
+    return t if aligned else t[1:]
 
 
 def _build(future, device: torch.device, launches: list[tuple]) -> None:
