@@ -16,8 +16,8 @@ meanwhile (:func:`sdpatch.kernels.forward.stand_in`): the first step costs about
 pipeline's does, where compiling a dozen kernels one after another took seconds. The compiles start
 once the graph is captured (much of a compile holds the GIL, which the warm-up needs), the graph
 replays with the stand-ins until they are done, and the first call after that warms the signature up
-and captures it again (``recaptures`` in the stats). All of a module's graphs share one memory pool,
-so graphs of several sizes cost about the largest one's activations.
+and captures it again (``recaptures`` in the stats), into the same memory pool. All of a module's
+graphs share one pool, so graphs of several sizes cost about the largest one's activations.
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
 repeats: no compiler is involved, so there is no compile time, and the images equal eager's.
@@ -133,6 +133,11 @@ class GraphRunner:
         self._pool_factory = pool_factory or (torch.cuda.graph_pool_handle if graph_factory is None else (lambda: None))
         self._pool = None
         self.entries: dict[Any, _Entry] = {}
+        # Graphs holding stand-ins, replayed no more, kept until their signature is captured again:
+        # the new capture then shares their pool and reuses its memory. PyTorch frees a pool's memory
+        # only once no graph holds it and the cache is emptied, so a new pool would add its size to
+        # the reserve for the rest of the process.
+        self.retired: dict[Any, _Entry] = {}
         self.seen: dict[Any, int] = {}
         self.failed: dict[Any, str] = {}
         self.stats = GraphStats()
@@ -229,8 +234,10 @@ class GraphRunner:
             self.failed[key] = f"capturing this input signature failed ({why})"
             logger.warning("sdpatch: CUDA-graph capture failed (%s); this input signature runs eagerly", why)
             _clear_capture_error()
+            self._release_retired(key)
             return None
         entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), _stood_in() != stood_in)
+        self._release_retired(key)
         self.stats.graphs += 1
         self.stats.capture_s += time.perf_counter() - start
         self.stats.pool_bytes += max(0, self._reserved() - reserved)
@@ -238,12 +245,10 @@ class GraphRunner:
         return entry
 
     def _drop(self, key) -> None:
-        """Drop a graph that holds stand-ins, its kernels now compiled: the signature warms up again
+        """Retire a graph that holds stand-ins, its kernels now compiled: the signature warms up again
         (the first call tunes or first launches each kernel, neither of which a capture can hold) and
-        is captured with them."""
-        del self.entries[key]
-        if not self.entries:  # PyTorch's allocator refuses captures into a pool whose last graph is gone
-            self._pool = None
+        is captured with them, into the retired graph's pool (see ``retired``)."""
+        self.retired[key] = self.entries.pop(key)
         self.seen[key] = 0
         self.stats.graphs -= 1
         self.stats.recaptures += 1
@@ -251,6 +256,12 @@ class GraphRunner:
             self.stats.compile_s += time.perf_counter() - self._compiles_started
             self._compiles_started = None
         logger.info("sdpatch: kernels compiled in the background are ready; %s is captured again", type(self.module).__name__)
+
+    def _release_retired(self, key) -> None:
+        """Free the retired graph of ``key``, once its signature's new capture is done or failed."""
+        self.retired.pop(key, None)
+        if not self.entries and not self.retired:  # PyTorch's allocator refuses captures into a pool whose last graph is gone
+            self._pool = None
 
     def _start_compiles(self) -> None:
         """Start the background compiles a first warm-up asked for (:func:`_start_deferred`)."""
@@ -283,6 +294,7 @@ class GraphRunner:
     def reset(self) -> None:
         """Drop every graph (and, once nothing else holds it, their memory pool)."""
         self.entries.clear()
+        self.retired.clear()
         self.seen.clear()
         self.failed.clear()
         self._pool = None

@@ -46,14 +46,16 @@ class FakeGraph:
 
 
 class Capture:
-    """Stands in for torch.cuda.graph: counts the calls recorded inside it."""
+    """Stands in for torch.cuda.graph: counts the captures, and the pool each was given."""
 
     def __init__(self):
         self.captures = 0
+        self.pools = []
 
     @contextlib.contextmanager
     def __call__(self, graph, pool=None):
         self.captures += 1
+        self.pools.append(pool)
         yield
 
 
@@ -141,7 +143,9 @@ def stand_in_runner(unet, compiling: list, monkeypatch, **options):
 def test_a_graph_holding_stand_ins_is_captured_again_once_the_kernels_are_done(unet, monkeypatch):
     """Captured while stand-ins served (its kernels compiling in the background), a graph replays until
     they are done; then the signature warms up again, twice (the first call tunes or first launches
-    each kernel, which a capture cannot hold), and is captured with them. That graph is kept."""
+    each kernel, which a capture cannot hold), and is captured with them, into the same pool: the
+    old graph is held until then, so that PyTorch keeps the pool alive and the new capture reuses
+    its memory. The new graph is kept, the old one freed."""
     compiling = [True]
     runner, capture, pools = stand_in_runner(unet, compiling, monkeypatch, warmup=graphs.WARMUP_CALLS)
     kw = arch.unet_inputs(unet)
@@ -149,15 +153,41 @@ def test_a_graph_holding_stand_ins_is_captured_again_once_the_kernels_are_done(u
         want = unet(**kw).sample
         outs = [runner(**kw).sample for _ in range(4)]  # two warm-ups (the second captures), two replays
         assert capture.captures == 1 and runner.stats.stand_in_replays == 2
-        assert next(iter(runner.entries.values())).provisional
+        old = next(iter(runner.entries.values()))
+        assert old.provisional
         compiling[0] = False
-        outs += [runner(**kw).sample for _ in range(4)]  # two warm-ups (the second captures again), two replays
+        outs += [runner(**kw).sample for _ in range(2)]  # two warm-ups, the second capturing again
+        assert capture.captures == 2 and list(runner.retired.values()) == [] and old not in runner.entries.values()
+        outs += [runner(**kw).sample for _ in range(2)]  # two replays
     st = runner.stats
     assert capture.captures == 2 and st.replays == 4 and st.stand_in_replays == 2 and st.compile_s > 0
-    assert len(pools) == 2  # the provisional graph was the pool's last: the new one takes a new pool
+    assert len(pools) == 1 and capture.pools == [pools[0], pools[0]]
     assert st.graphs == 1 and st.recaptures == 1 and st.eager_calls == 4
     assert not next(iter(runner.entries.values())).provisional
     assert all(rel_err(out, want) < RTOL for out in outs)
+
+
+def test_a_retired_graph_is_held_until_its_signature_is_captured_again(unet, monkeypatch):
+    """Between the drop of a provisional graph and its signature's new capture, the old graph stays
+    held (its pool with it), replayed no more; a capture that fails frees it, and a runner left
+    holding no graph takes a new pool for its next capture."""
+    compiling = [True]
+    runner, capture, pools = stand_in_runner(unet, compiling, monkeypatch, warmup=graphs.WARMUP_CALLS)
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        for _ in range(3):
+            runner(**kw)
+        old = next(iter(runner.entries.values()))
+        compiling[0] = False
+        runner(**kw)  # the first warm-up with the kernels: the old graph is retired, held
+        assert runner.entries == {} and list(runner.retired.values()) == [old] and runner.stats.replays == 1
+
+        def fail(graph, pool=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        runner._capture_context = fail
+        runner(**kw)  # the second warm-up's capture fails: the old graph goes, and the pool with it
+    assert runner.retired == {} and runner.entries == {} and runner._pool is None and len(pools) == 1
 
 
 def test_a_graph_captured_without_stand_ins_is_kept_while_other_kernels_compile(unet, monkeypatch):
