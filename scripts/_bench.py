@@ -217,12 +217,15 @@ def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> di
     after the other, disagreed by up to 30 % on host-bound calls. After each switch one untimed call
     settles the allocator's cache; then ``block`` calls run back to back, as in a real loop, and are
     timed together."""
+    from sdpatch import wait_for_kernels
+
     times = {v: [] for v in variants}
     order = list(variants)
     for _ in range(rounds):
         for v in order:
             use_variant(unet, v)
             fn()
+            wait_for_kernels()  # a new layout's first call compiles its kernel in the background
             times[v].append(timed_ms(fn, block))
         order.reverse()
     return times
@@ -248,8 +251,7 @@ def settle_graphs(call) -> float:
     from sdpatch import graphs
 
     start = time.perf_counter()
-    while graphs.compiling_later():
-        time.sleep(0.01)
+    graphs.wait_for_kernels()
     waited = time.perf_counter() - start
     for _ in range(graphs.WARMUP_CALLS):
         call()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sdpatch import wait_for_kernels
 from sdpatch.kernels import flash_bwd, flash_fwd, runtime
 from sdpatch.kernels.runtime import gpu_arch, shipped_configs
 from sdpatch.models import build_preset
@@ -42,8 +43,11 @@ def tune(preset: str, sizes: tuple[int, ...], train: bool) -> None:
             unet.zero_grad(set_to_none=True)
             unet.half().eval().requires_grad_(False)
         else:
-            with torch.no_grad():
-                unet(**unet_inputs(unet, BATCH, size, torch.float16))
+            kw = unet_inputs(unet, BATCH, size, torch.float16)
+            with torch.no_grad():  # the first call's new layouts compile in the background; the second tunes them
+                unet(**kw)
+                wait_for_kernels()
+                unet(**kw)
         torch.cuda.synchronize()
         print(f"tuned {preset} {size}²{' training' if train else ''}: {len(flash_fwd._plans)} forward and "
               f"{len(flash_bwd._bwd_plans)} backward layouts so far", flush=True)

@@ -37,6 +37,7 @@ _EXPORTS = {
     "PlannerError": "planner",
     "speed_up": "speed",
     "remove_speed": "speed",
+    "wait_for_kernels": "graphs",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         explain,
     )
     from .errors import InputError
+    from .graphs import wait_for_kernels
     from .patch import PatchReport, patch_report, patch_unet, unpatch_unet
     from .planner import Plan, PlannerError, apply_plan, fit, plan, remove_plan
     from .processor import SdpatchAttnProcessor

@@ -225,6 +225,9 @@ def speed_lines(speed: dict[str, Any] | None) -> list[str]:
             f"{format_bytes(st['pool_bytes'])}, {st['replays']} calls replayed, {eager} eager"
             + (f" ({'; '.join(f'{r}: {n}' for r, n in st['eager_reasons'].items())})" if eager else "")
         )
+    if speed.get("stand_in_calls") and not speed.get("graphs"):
+        lines.append(f"SDPA stood in for {speed['stand_in_calls']} attention calls while their kernels compiled "
+                     "in the background")
     if speed.get("compiling_in_background"):
         lines.append("kernels still compiling in the background: the process exits once they are done, "
                      "and later runs find them in Triton's cache")
@@ -800,7 +803,8 @@ def _speed_report(pipe: Any, speed: dict[str, Any] | None) -> dict[str, Any] | N
     stats = graph_stats(pipe)
     if not speed and not stats:
         return None
-    return {**(speed or {}), "graphs": stats, "compiling_in_background": bool(stats) and graphs.compiling_later()}
+    return {**(speed or {}), "graphs": stats, "compiling_in_background": graphs.compiling_later(),
+            "stand_in_calls": graphs.stand_in_calls()}
 
 
 def _patch_report(pipe: Any) -> dict[str, Any] | None:

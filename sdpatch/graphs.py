@@ -9,15 +9,17 @@ and launches each a first time, and is captured into a ``torch.cuda.CUDAGraph`` 
 call with that signature copies its tensors into the graph's inputs and replays it. The denoising loop's
 first two steps carry the warm-up and the capture; every other step is a replay.
 
-A new signature's attention kernels are not compiled in its first step. Its first warm-up call hands
-every layout whose kernel has not launched yet to background threads
-(:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA serves those layouts
-meanwhile (:func:`sdpatch.kernels.forward.stand_in`): the first step costs about what an unpatched
-pipeline's does, where compiling a dozen kernels one after another took seconds. The compiles start
-once the graph is captured (much of a compile holds the GIL, which the warm-up needs), the graph
-replays with the stand-ins until they are done, and the first call after that warms the signature up
-and captures it again (``recaptures`` in the stats), into the same memory pool. All of a module's
-graphs share one pool, so graphs of several sizes cost about the largest one's activations.
+A new signature's attention kernels are not compiled in its first step. The runner's eager calls,
+warm-ups and others, run in background mode (:func:`sdpatch.kernels.runtime.compiles_in_background`):
+the first warm-up hands every layout whose kernel has not launched yet to background threads, and
+PyTorch's SDPA serves those layouts meanwhile (:func:`sdpatch.kernels.forward.stand_in`): the first
+step costs about what an unpatched pipeline's does, where compiling a dozen kernels one after another
+took seconds. The compiles start once the graph is captured (much of a compile holds the GIL, which
+the warm-up needs), the graph replays with the stand-ins until they are done, and the first call after
+that warms the signature up and captures it again (``recaptures`` in the stats), into the same memory
+pool. All of a module's graphs share one pool, so graphs of several sizes cost about the largest
+one's activations. A patched model's calls that no graph serves compile in the background too (see
+"eager calls" below).
 
 This is PyTorch's own machinery (``torch.cuda.graph`` with a shared pool) applied to the one call that
 repeats: no compiler is involved, so there is no compile time, and the images equal eager's.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -163,8 +166,9 @@ class GraphRunner:
                 reason = self.failed[key]
         self._eager(reason)
         first = reason == WARMUP and self.seen[key] == 1
+        # Every eager call but a trace's runs in background mode: none waits for a kernel compiling.
         with _for_capture() if reason == WARMUP else contextlib.nullcontext(), \
-                _in_background() if first else contextlib.nullcontext():
+                contextlib.nullcontext() if torch.compiler.is_compiling() else _in_background():
             output = self.forward(*args, **kwargs)
         captures = reason == WARMUP and self.seen[key] >= self.warmup and len(self.entries) < self.max_graphs
         if captures:  # captured now, replayed from the next call on: the one-time cost stays in this call
@@ -225,7 +229,7 @@ class GraphRunner:
         graph = self._graph_factory()
         if self._pool is None:
             self._pool = self._pool_factory()
-        reserved, stood_in = self._reserved(), _stood_in()
+        reserved, stood_in = self._reserved(), stand_in_calls()
         try:
             with _for_capture(), self._capture_context(graph, pool=self._pool):
                 output = self.forward(*args, **kwargs)
@@ -236,7 +240,7 @@ class GraphRunner:
             _clear_capture_error()
             self._release_retired(key)
             return None
-        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), _stood_in() != stood_in)
+        entry = self.entries[key] = _Entry(graph, inputs, output, (args, kwargs), stand_in_calls() != stood_in)
         self._release_retired(key)
         self.stats.graphs += 1
         self.stats.capture_s += time.perf_counter() - start
@@ -338,10 +342,74 @@ def compiling_later() -> bool:
     return runtime is not None and runtime.compiling_later()
 
 
-def _stood_in() -> int:
-    """Calls stand-ins have served so far (:func:`sdpatch.kernels.runtime.stood_in`)."""
+def wait_for_kernels(timeout: float | None = None) -> bool:
+    """Wait until the attention kernels compiling in the background are done (those still to start
+    start now), at most ``timeout`` seconds; whether they are. Until then PyTorch's SDPA serves their
+    calls: wait before timing a patched model, or to have its next calls on sdpatch's kernels."""
+    _start_deferred()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while compiling_later():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def stand_in_calls() -> int:
+    """Attention calls PyTorch's SDPA served in this process while their kernels compiled in the
+    background (:func:`sdpatch.kernels.runtime.stood_in`)."""
     runtime = _triton()
     return 0 if runtime is None else runtime.stood_in()
+
+
+# -- eager calls -----------------------------------------------------------------------------------
+# A patched model's calls that no graph replays (patch_unet without cuda_graphs, --no-cuda-graphs, a
+# --vram-budget plan) compile new layouts' kernels in the background too, as a graph's first warm-up
+# does: a forward pre-hook puts the call in background mode, and a forward hook, run even when the
+# call raises, ends it and starts the compiles it asked for, on the runtime's EAGER_COMPILE_THREADS
+# (one: an eager loop is host-bound, and shares the GIL with them). Calls a graph runner serves, and
+# traces, are left to the runner and the trace. Only inference calls stand aside
+# (:func:`sdpatch.kernels.runtime.stands_aside`): a training call needs its kernel's log-sum-exp, and
+# compiles as it comes.
+_eager = threading.local()  # .open: per hooked call in progress, whether it entered background mode
+
+
+def compile_eagerly_in_background(module: torch.nn.Module) -> None:
+    """Give ``module``'s eager calls background compiles (see above); idempotent. Undo with
+    :func:`stop_eager_background`."""
+    if any(h is _eager_begin for h in module._forward_pre_hooks.values()):
+        return
+    module.register_forward_pre_hook(_eager_begin, prepend=True)
+    module.register_forward_hook(_eager_end, always_call=True)
+
+
+def stop_eager_background(module: torch.nn.Module) -> None:
+    """Remove :func:`compile_eagerly_in_background`'s hooks from ``module`` (found by identity, so
+    that a copy of a patched model removes its own)."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if h is _eager_begin or h is _eager_end]:
+            del hooks[key]
+            module._forward_hooks_always_called.pop(key, None)
+
+
+def _eager_begin(module: torch.nn.Module, args) -> None:
+    """The forward pre-hook: background mode for the call, unless a graph runner or a trace has it."""
+    if torch.compiler.is_compiling():
+        return
+    runtime = _triton() if runner_of(module) is None else None
+    if not hasattr(_eager, "open"):
+        _eager.open = []
+    _eager.open.append(runtime is not None and runtime.background_on())
+
+
+def _eager_end(module: torch.nn.Module, args, output) -> None:
+    """The forward hook (also when the call raised): out of background mode, the compiles started."""
+    if torch.compiler.is_compiling() or not getattr(_eager, "open", None):
+        return
+    if _eager.open.pop():
+        runtime = _triton()
+        runtime.background_off()
+        runtime.start_deferred(runtime.EAGER_COMPILE_THREADS)
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

@@ -10,7 +10,8 @@ diffusers resets processors itself: loading and unloading an IP-Adapter, fusing 
 attention slicing, and it rebuilds a processor as ``type(processor)()``. So a patched layer stays
 patched through those: its ``set_processor`` serves a stock processor set on it, and a bare
 ``SdpatchAttnProcessor()``, with the layer's sdpatch settings. ``set_default_attn_processor`` on a
-patched model means diffusers' defaults: it unpatches that model first.
+patched model means diffusers' defaults: it unpatches that model first. Each patched model also gets
+the forward hooks of :func:`sdpatch.graphs.compile_eagerly_in_background`, removed on unpatching.
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ def _unpatch_layer(attn: Attention) -> None:
 
 
 def _unpatch_model(model: torch.nn.Module) -> None:
-    """A model's own ``set_default_attn_processor`` back."""
+    """A model's own ``set_default_attn_processor`` back, and its calls without background compiles."""
     if _SET_DEFAULT in vars(model):
         delattr(model, _SET_DEFAULT)
+    from . import graphs
+
+    graphs.stop_eager_background(model)
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,10 @@ def patch_unet(
         A :class:`PatchReport`. Call :func:`patch_report` after running the model to see the
         sequence lengths each layer got.
 
+    A patched model's eager inference calls compile new layouts' kernels on a background thread,
+    PyTorch's SDPA serving them until they are ready (:mod:`sdpatch.graphs`, eager calls);
+    :func:`sdpatch.wait_for_kernels` waits for them.
+
     Patching again re-patches from the original processors (for example with another backend);
     :func:`unpatch_unet` restores them. Processors that are not diffusers' stock ones stay. A stock
     processor set on a patched layer later, by diffusers or by you, is served by sdpatch too, and
@@ -302,10 +310,13 @@ def patch_unet(
             changes.record(attn, PATCH, functools.partial(_unpatch_layer, attn))
     patched = {id(attn) for _, attn, _ in plan}
     for _, part in _parts(target, include_vae):
-        if hasattr(part, _SET_DEFAULT) and any(id(m) in patched for m in part.modules()):
+        if not any(id(m) in patched for m in part.modules()):
+            continue
+        if not changes.applied(part, PATCH):  # patching again keeps the one step
+            changes.record(part, PATCH, functools.partial(_unpatch_model, part))
+        if hasattr(part, _SET_DEFAULT):
             setattr(part, _SET_DEFAULT, functools.partial(_set_default_attn_processor, part))
-            if not changes.applied(part, PATCH):
-                changes.record(part, PATCH, functools.partial(_unpatch_model, part))
+        graphs.compile_eagerly_in_background(part)
     logger.info(
         "%d attention layers patched (backend=%s, recompute=%s), %d kept",
         len(plan), backend, recompute, len(layers) - len(plan),

@@ -373,33 +373,39 @@ def test_a_compile_for_later_starts_at_start_deferred(monkeypatch):
 
 def test_stands_aside_until_the_background_compile_is_done_then_raises_what_it_raised(monkeypatch):
     """A plan's call in background mode hands its compile to compile_later once and stands aside
-    while it runs; out of that mode nothing new is handed over; a compile done lets the next call
-    through, and one that failed raises there, once."""
+    while it runs; out of that mode nothing new is handed over, and a call waits for the compile
+    instead (starting what is still to start); a compile done lets the next call through, and one
+    that failed raises there, once."""
+    import threading
     from concurrent.futures import Future
 
     from sdpatch.kernels import runtime
 
-    later = []
+    later, started = [], []
     monkeypatch.setattr(runtime, "compile_later", lambda device, runs: later.append((Future(), runs)) or later[-1][0])
+    monkeypatch.setattr(runtime, "start_deferred", lambda threads=None: started.append(threads) or 0)
     cpu = torch.device("cpu")
-    plan, fresh, failing = runtime.Plan({}), runtime.Plan({}), runtime.Plan({})
+    plan, fresh, failing, waited = runtime.Plan({}), runtime.Plan({}), runtime.Plan({}), runtime.Plan({})
     assert not runtime.stands_aside(plan, cpu, lambda: ["launch"])  # out of background mode: the kernel serves
     monkeypatch.setattr(runtime, "_background", 1)
     assert runtime.stands_aside(plan, cpu, lambda: ["launch"]) and later[0][1] == ["launch"]
     assert runtime.stands_aside(plan, cpu, lambda: ["again"]) and len(later) == 1
     fresh.binaries["tiles"] = object()  # launched before: nothing to compile
     assert not runtime.stands_aside(fresh, cpu, list) and len(later) == 1
-    monkeypatch.setattr(runtime, "_background", 0)
-    assert runtime.stands_aside(plan, cpu, list)  # still compiling
     later[0][0].set_result(None)
     assert not runtime.stands_aside(plan, cpu, list) and not runtime.stands_aside(plan, cpu, list)
-    monkeypatch.setattr(runtime, "_background", 1)
     assert not runtime.stands_aside(plan, cpu, list) and len(later) == 1  # served once: never handed over again
     assert runtime.stands_aside(failing, cpu, list)
     later[1][0].set_exception(RuntimeError("ptxas died"))
     with pytest.raises(RuntimeError, match="ptxas died"):
         runtime.stands_aside(failing, cpu, list)
     assert not runtime.stands_aside(failing, cpu, list)
+    assert runtime.stands_aside(waited, cpu, list) and not started
+    monkeypatch.setattr(runtime, "_background", 0)
+    threading.Timer(0.2, later[2][0].set_result, (None,)).start()
+    start = time.perf_counter()
+    assert not runtime.stands_aside(waited, cpu, list)  # out of background mode: waits for the compile
+    assert time.perf_counter() - start >= 0.15 and started == [None] and waited.later is runtime.LAUNCHED
 
 
 STAND_IN = [(False, "none", True), (True, "none", False), (False, "bool", False), (False, "padding", False)]

@@ -89,11 +89,12 @@ def test_first_call_warms_up_and_captures_then_replays(unet):
     assert runner.stats.eager_reasons == {graphs.WARMUP: 1}
 
 
-def test_a_new_signatures_first_warm_up_compiles_in_the_background_and_starts_them_after_its_capture(unet, monkeypatch):
-    """A new signature's first warm-up call (and only it) runs with new layouts' compiles sent to the
-    background, under the kernels' capture mode; the compiles it asked for start once the signature
-    is captured, not before (they would hold the GIL the warm-up needs), and a replay starts any
-    left waiting."""
+def test_a_new_signatures_warm_ups_compile_in_the_background_and_start_them_after_its_capture(unet, monkeypatch):
+    """A new signature's warm-up calls run with new layouts' compiles sent to the background (so
+    that none waits for a kernel still compiling), under the kernels' capture mode; the compiles the
+    first asked for start once the signature is captured, not before (they would hold the GIL the
+    warm-up needs), and a replay starts any left waiting. Other eager calls run in background mode
+    too, outside capture mode, and start what they asked for as they end."""
     from sdpatch.kernels import forward
 
     events = []
@@ -113,12 +114,15 @@ def test_a_new_signatures_first_warm_up_compiles_in_the_background_and_starts_th
         runner(**kw)
         assert events == [("background", 1)]
         runner(**kw)  # the second warm-up, and the capture
-        assert events == [("background", 1), "capture", "start"]
+        assert events == [("background", 1), ("background", 1), "capture", "start"]
         runner(**kw)  # a replay
-        assert events[3:] == ["start"] and capture.captures == 1
+        assert events[4:] == ["start"] and capture.captures == 1
         runner(**{**kw, "sample": kw["sample"][:1], "timestep": kw["timestep"][:1],
                   "encoder_hidden_states": kw["encoder_hidden_states"][:1]})
-    assert events[4:] == [("background", 1)]
+    assert events[5:] == [("background", 1)]
+    unet.requires_grad_(True)
+    runner(**kw)  # autograd records: eager, not for a graph, and in background mode too
+    assert events[6:] == [("background", 0), "start"]
 
 
 def stand_in_runner(unet, compiling: list, monkeypatch, **options):
@@ -126,7 +130,7 @@ def stand_in_runner(unet, compiling: list, monkeypatch, **options):
     in the background), as sdpatch.kernels.forward.stand_in counts them."""
     served, pools = [0], []
     monkeypatch.setattr(graphs, "compiling_later", lambda: compiling[0])
-    monkeypatch.setattr(graphs, "_stood_in", lambda: served[0])
+    monkeypatch.setattr(graphs, "stand_in_calls", lambda: served[0])
     monkeypatch.setattr(graphs, "_start_deferred", lambda: 1)
 
     def forward(*args, **kwargs):
@@ -205,6 +209,66 @@ def test_a_graph_captured_without_stand_ins_is_kept_while_other_kernels_compile(
         compiling[0] = False
         runner(**kw)
     assert capture.captures == 1 and runner.stats.recaptures == 0 and runner.stats.replays == 3
+
+
+class FakeRuntime:
+    """Stands in for sdpatch.kernels.runtime in the eager hooks: records background mode's turns."""
+
+    EAGER_COMPILE_THREADS = 2
+
+    def __init__(self):
+        self.events, self.depth = [], 0
+
+    def background_on(self):
+        self.depth += 1
+        self.events.append("on")
+        return True
+
+    def background_off(self):
+        self.depth -= 1
+        self.events.append("off")
+
+    def start_deferred(self, threads=None):
+        self.events.append(("start", threads))
+        return 0
+
+
+def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_at_their_end(unet, monkeypatch):
+    """Each eager call of a patched model runs in background mode (new layouts hand their compiles to
+    threads, stand-ins serve meanwhile) and starts what it asked for as it ends, on the few threads an
+    eager loop leaves the GIL to; one raising inside still leaves the mode. A model a graph runner
+    serves is left to the runner, and an unpatched one is left alone."""
+    fake = FakeRuntime()
+    monkeypatch.setattr(graphs, "_triton", lambda: fake)
+    patch_unet(unet, backend="chunked")
+    kw = arch.unet_inputs(unet)
+    with torch.no_grad():
+        unet(**kw)
+        assert fake.events == ["on", "off", ("start", 2)] and fake.depth == 0
+        with pytest.raises(RuntimeError):
+            unet(**{**kw, "sample": kw["sample"][:, :1]})  # a wrong channel count raises in conv_in
+        assert fake.events[3:] == ["on", "off", ("start", 2)] and fake.depth == 0
+        runner, _ = fake_runner(unet)
+        monkeypatch.setattr(graphs, "runner_of", lambda module: runner)
+        unet(**kw)
+        assert len(fake.events) == 6
+        monkeypatch.undo()
+        monkeypatch.setattr(graphs, "_triton", lambda: fake)
+        unpatch_unet(unet)
+        unet(**kw)
+    assert len(fake.events) == 6 and graphs._eager.open == []
+
+
+def test_eager_hooks_without_triton_do_nothing(unet, monkeypatch):
+    monkeypatch.setattr(graphs, "_triton", lambda: None)
+    graphs.compile_eagerly_in_background(unet)
+    graphs.compile_eagerly_in_background(unet)  # idempotent
+    assert sum(h is graphs._eager_begin for h in unet._forward_pre_hooks.values()) == 1
+    with torch.no_grad():
+        unet(**arch.unet_inputs(unet))
+    assert graphs._eager.open == []
+    graphs.stop_eager_background(unet)
+    assert not unet._forward_pre_hooks and not unet._forward_hooks and not unet._forward_hooks_always_called
 
 
 def test_background_compiles_are_off_in_the_interpreter():
@@ -426,12 +490,17 @@ SPEED_LINES = [
      ["8 replays with SDPA standing in", "1 captured again once they had compiled (1.50 s)"], ["still compiling"]),
     ({"graphs": {"unet": {**STATS, "recaptures": 0, "stand_in_replays": 19}}, "compiling_in_background": True},
      ["19 replays with SDPA standing in", "kernels still compiling in the background"], ["captured again"]),
-    ({"graphs": {"unet": {**STATS, "recaptures": 0, "stand_in_replays": 0}}, "compiling_in_background": False},
-     ["CUDA graphs (unet): 1 captured"], ["standing in", "captured again", "still compiling"]),
+    ({"graphs": {"unet": {**STATS, "recaptures": 0, "stand_in_replays": 0}}, "compiling_in_background": False,
+      "stand_in_calls": 40},
+     ["CUDA graphs (unet): 1 captured"], ["standing in", "captured again", "still compiling", "stood in"]),
+    ({"graphs": None, "compiling_in_background": True, "stand_in_calls": 640},
+     ["SDPA stood in for 640 attention calls", "kernels still compiling in the background"], ["CUDA graphs"]),
+    ({"graphs": None, "compiling_in_background": False, "stand_in_calls": 0}, [], ["stood in", "still compiling"]),
 ]
 
 
-@pytest.mark.parametrize("speed, shown, absent", SPEED_LINES, ids=["recaptured", "still-compiling", "no-stand-ins"])
+@pytest.mark.parametrize("speed, shown, absent", SPEED_LINES,
+                         ids=["recaptured", "still-compiling", "no-stand-ins", "eager-stand-ins", "eager-compiled"])
 def test_the_report_says_what_the_stand_ins_and_background_compiles_did(speed, shown, absent):
     from sdpatch.generate import speed_lines
 

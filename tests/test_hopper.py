@@ -254,9 +254,9 @@ def test_a_failed_launch_hands_every_later_call_to_the_triton_kernel(monkeypatch
 
 def test_while_a_gluon_layout_compiles_in_the_background_sdpa_stands_in(monkeypatch):
     """In background mode a Gluon layout's compile goes to the background and SDPA serves the call
-    (nothing is compiled for the Triton kernel); so does every call until that compile is done, then
-    the Gluon kernel launches. A background compile that failed turns the Gluon kernel off, with one
-    warning, and the Triton kernel serves."""
+    (nothing is compiled for the Triton kernel); so does every call in that mode until that compile
+    is done, then the Gluon kernel launches. A background compile that failed turns the Gluon kernel
+    off, with one warning, and the Triton kernel serves."""
     from concurrent.futures import Future
 
     from sdpatch.kernels import runtime
@@ -280,7 +280,7 @@ def test_while_a_gluon_layout_compiles_in_the_background_sdpa_stands_in(monkeypa
 
     served = runtime.stood_in()
     assert call(True) < 1e-4 and len(later) == 1 and not launched and runtime.stood_in() == served + 1
-    assert call() < 1e-4 and len(later) == 1 and not launched and runtime.stood_in() == served + 2  # compiling
+    assert call(True) < 1e-4 and len(later) == 1 and not launched and runtime.stood_in() == served + 2  # compiling
     later[0].set_result(None)
     call()
     assert launched == [fh._attn_fwd_hopper] and runtime.stood_in() == served + 2  # compiled: Gluon

@@ -175,11 +175,25 @@ def test_a_copy_of_a_patched_model_unpatches_itself_alone(sd15):
     patch_unet(sd15, **SETTINGS)
     assert all(undo.applied(m, PATCH) for m in layers(sd15).values())
     for twin in (copy.deepcopy(sd15), pickle.loads(pickle.dumps(sd15))):
+        assert eager_hooks(twin) == (1, 1)
         unpatch_unet(twin)
         assert unpatched(twin) and not any(undo.applied(m, PATCH) for m in layers(twin).values())
-        assert served_by_sdpatch(sd15, "")
+        assert eager_hooks(twin) == (0, 0)
+        assert served_by_sdpatch(sd15, "") and eager_hooks(sd15) == (1, 1)
     unpatch_unet(sd15)
     assert unpatched(sd15) and not any("_sdpatch_undo" in vars(m) for m in sd15.modules())
+    assert eager_hooks(sd15) == (0, 0)
+
+
+def eager_hooks(model) -> tuple[int, int]:
+    """How many of sdpatch.graphs' eager-call hooks (the pre-hook, and the hook run even on a raise)
+    the model holds."""
+    from sdpatch import graphs
+
+    pre = sum(h is graphs._eager_begin for h in model._forward_pre_hooks.values())
+    post = [k for k, h in model._forward_hooks.items() if h is graphs._eager_end]
+    assert all(k in model._forward_hooks_always_called for k in post)
+    return pre, len(post)
 
 
 def test_patch_twice_does_not_stack(sd15):
@@ -189,8 +203,10 @@ def test_patch_twice_does_not_stack(sd15):
     assert {r.backend for r in report.rows} == {"sdpa"}
     assert all(m.processor.backend == "sdpa" for m in layers(sd15).values())
     assert all(m._sdpatch_original_processor is originals[n] for n, m in layers(sd15).items())
+    assert eager_hooks(sd15) == (1, 1)
     unpatch_unet(sd15)
     assert all(m.processor is originals[n] for n, m in layers(sd15).items())
+    assert eager_hooks(sd15) == (0, 0)
 
 
 def test_patch_after_unpatch(sd15):

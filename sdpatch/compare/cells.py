@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from sdpatch import graphs
 from sdpatch import undo as changes
 from sdpatch.attention import backend_status
 from sdpatch.compare.figures import finish
@@ -217,6 +218,7 @@ def run_cell(
             cell.during_warmup = True
             cell.phases = warm.phases
             return cell, []
+        graphs.wait_for_kernels()  # the warm-up's new layouts compiled in the background, SDPA standing in
         release_memory(device)
     start = time.perf_counter()
     _attempt(cell, meter, lambda: images.extend(call(meter, settings.steps)))

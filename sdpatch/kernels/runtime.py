@@ -271,11 +271,34 @@ _deferred: list = []
 _stand_ins = 0  # calls a stand-in served while their kernels compiled (see stood_in)
 
 
+# Threads for compiles started between eager calls, which a host-bound eager loop shares the GIL with.
+# Measured on the 2-core CPU machine (triton 3.9, the forward compiled for sm_90 at 8 head dims beside
+# a loop of eager tiny-UNet calls, 2026-12-04): one thread slowed the loop 1.23-1.30x for 3.9-4.3 s,
+# 0.8-1.0 s of its time lost, two 1.7-2.2x for 3.1-3.5 s (1.3-1.7 s lost), eight 6.7x for 3.7 s;
+# compiling them in the loop's own thread took 4.3 s of it. From Triton's disk cache, the same 8
+# loaded in 0.41 s in the loop's thread, and cost it 0.07 s from one thread, 0.27 s from two.
+EAGER_COMPILE_THREADS = 1
+
+
 @functools.lru_cache(maxsize=None)
-def _later_pool():
+def _later_pool(threads: int):
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="sdpatch-compile-later")
+    return ThreadPoolExecutor(threads, thread_name_prefix="sdpatch-compile-later")
+
+
+def background_on() -> bool:
+    """Enter background mode (:func:`compiles_in_background`) where this Triton has it; whether it
+    did. Each True must be paired with :func:`background_off`."""
+    global _background
+    on = _AsyncCompileMode is not None and not interpreting()
+    _background += on
+    return on
+
+
+def background_off() -> None:
+    global _background
+    _background -= 1
 
 
 @contextlib.contextmanager
@@ -284,13 +307,12 @@ def compiles_in_background():
     threads (:func:`compile_later`) and are served by a stand-in until it is done (:func:`stands_aside`).
     Only where Triton's JIT is known to compile from several threads at once (the versions with its
     async compile mode, 3.6 on); elsewhere, and in the interpreter, calls compile as they come."""
-    global _background
-    on = _AsyncCompileMode is not None and not interpreting()
-    _background += on
+    on = background_on()
     try:
         yield
     finally:
-        _background -= on
+        if on:
+            background_off()
 
 
 def compile_later(device: torch.device, launches: list[tuple]):
@@ -347,11 +369,11 @@ def _build(future, device: torch.device, launches: list[tuple]) -> None:
         future.set_result(None)
 
 
-def start_deferred() -> int:
-    """Start the compiles :func:`compile_later` was asked for; how many."""
+def start_deferred(threads: int = COMPILE_THREADS) -> int:
+    """Start the compiles :func:`compile_later` was asked for, on ``threads`` threads at once; how many."""
     tasks = len(_deferred)
     for task in _deferred:
-        _later_pool().submit(task)
+        _later_pool(threads).submit(task)
     _deferred.clear()
     return tasks
 
@@ -366,9 +388,12 @@ def stands_aside(plan: Plan, device: torch.device, launches: Callable[[], list[t
 
     Inside :func:`compiles_in_background`, a layout that has launched nothing yet hands
     ``launches()`` (what its first call would compile) to :func:`compile_later`. Until that is done
-    every call stands aside; so does a call under CUDA-graph capture that would be the layout's
-    first launch since (an autotuner's timing, or the JIT's first launch, cannot be captured). The
-    first call after that takes the kernel, and raises what the compile raised.
+    every call in that mode stands aside; so does a call under CUDA-graph capture that would be the
+    layout's first launch since (an autotuner's timing, or the JIT's first launch, cannot be
+    captured). Any other call waits for the compile, which it starts if it is still to start: a
+    graph captured after it (``torch.compile``'s cudagraph trees, a user's ``torch.cuda.graph``,
+    which warm up first) then holds the kernel, not a stand-in it would keep for good. The first
+    call after that takes the kernel, and raises what the compile raised.
     """
     later = plan.later
     if later is None:
@@ -378,7 +403,13 @@ def stands_aside(plan: Plan, device: torch.device, launches: Callable[[], list[t
         return True
     if later is LAUNCHED:
         return False
-    if not later.done() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not later.done():
+        if _background or capturing:
+            return True
+        start_deferred()
+        later.exception()  # waits until it is done
+    elif capturing:
         return True
     plan.later = LAUNCHED
     if later.exception() is not None:
