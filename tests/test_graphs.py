@@ -259,6 +259,68 @@ def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_a
     assert len(fake.events) == 6 and graphs._eager.open == []
 
 
+# A patched SD 1.5-shaped UNet's eager call on the Triton backend, with its kernels compiled for sm_90
+# through the stand-in driver (nothing can launch here, so the Triton backend is let serve the CPU
+# tensors, and each layout given tiles as the shipped tables give them): every layout stands aside for
+# SDPA and compiles once the call ends, on one thread, and sdpatch.wait_for_kernels() returns once all
+# are compiled. The call's output is SDPA's attention, as unpatched diffusers computes it.
+# (A second call would launch the kernels, which the stand-in driver cannot.)
+_EAGER_SCRIPT = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+import torch, triton
+from sdpatch.kernels.runtime import CompileOnlyDriver
+
+triton.runtime.driver.set_active(CompileOnlyDriver())
+import arch
+import sdpatch
+from sdpatch.attention import triton_backend
+from sdpatch.kernels import flash_fwd, runtime
+
+triton_backend.status = lambda device: (True, "compiling for sm_90 only")
+tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+plan = flash_fwd._fwd_plan
+flash_fwd._fwd_plan = lambda *a: runtime.Plan(plan(*a).meta, tiles)
+unet = arch.build("sd15")
+kw = arch.unet_inputs(unet)
+with torch.no_grad():
+    want = unet(**kw).sample
+    sdpatch.patch_unet(unet, backend="triton")
+    got = unet(**kw).sample
+threads = {t.name for t in __import__("threading").enumerate()}
+cache = flash_fwd._attn_fwd_kernel.device_caches[0][0]
+print(runtime.stood_in(), len(flash_fwd._plans), runtime.compiling_later(), len(cache),
+      sum(n.startswith("sdpatch-compile-later") for n in threads))
+ready = sdpatch.wait_for_kernels(timeout=500)
+built = all(p.later is not None and p.later.done() and p.later.exception() is None for p in flash_fwd._plans.values())
+print(ready, built, len(cache), ((got - want).norm() / want.norm()).item() < 1e-5)
+"""
+
+
+def test_an_eager_call_of_a_patched_unet_compiles_its_kernels_in_the_background(tmp_path):
+    """The hooks, the runtime and Triton together, as _EAGER_SCRIPT says."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sdpatch.kernels import runtime
+
+    if runtime._AsyncCompileMode is None:
+        pytest.skip("this Triton compiles nothing in the background (no async compile mode)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _EAGER_SCRIPT, str(tmp_path), str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (served, layouts, compiling, cached, threads), (ready, built, compiled, same) = (
+        line.split() for line in done.stdout.strip().splitlines()[-2:])
+    assert int(served) >= int(layouts) > 1 and compiling == "True" and cached == "0" and threads == "1"
+    # every layout's compile done; layouts of one specialization share a kernel
+    assert ready == built == same == "True" and 1 < int(compiled) <= int(layouts)
+
+
 def test_eager_hooks_without_triton_do_nothing(unet, monkeypatch):
     monkeypatch.setattr(graphs, "_triton", lambda: None)
     graphs.compile_eagerly_in_background(unet)
