@@ -408,6 +408,26 @@ def test_stands_aside_until_the_background_compile_is_done_then_raises_what_it_r
     assert time.perf_counter() - start >= 0.15 and started == [None] and waited.later is runtime.LAUNCHED
 
 
+def test_a_stand_in_captured_into_a_graph_other_than_sdpatchs_is_warned_about_once(monkeypatch, caplog):
+    """SDPA standing in while a foreign CUDA graph captures (a user's torch.cuda.graph after a warm-up
+    that started the compiles) stays in that graph: one warning says to wait for the kernels first.
+    sdpatch's own captures (for_capture) are captured again, and say nothing."""
+    from sdpatch.kernels import forward, runtime
+
+    monkeypatch.setattr(forward, "_captured_stand_in", False)
+    monkeypatch.setattr(runtime, "capturing", lambda device: True)
+    q, k, v = make_qkv(1, 2, 8, 8, 16, torch.float32)
+    with caplog.at_level("WARNING", logger="sdpatch.kernels.forward"):
+        with forward.for_capture():
+            forward.stand_in(q, k, v, 0.25)
+        assert not caplog.records
+        for _ in range(2):
+            out, _ = forward.stand_in(q, k, v, 0.25)
+    assert [r.message for r in caplog.records if "wait_for_kernels" in r.message] == [caplog.records[0].message]
+    assert len(caplog.records) == 1
+    assert rel_err(out, torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v) < RTOL[torch.float32]
+
+
 STAND_IN = [(False, "none", True), (True, "none", False), (False, "bool", False), (False, "padding", False)]
 
 

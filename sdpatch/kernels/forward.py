@@ -19,13 +19,16 @@ until they are done (:func:`stand_in`; the graph is then captured again). A Gluo
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
 
-from . import flash_fwd, flash_fwd_hopper
+from . import flash_fwd, flash_fwd_hopper, runtime
 from .shared import mask_kind, tiling
 from .runtime import count_stand_in, vector_align
+
+logger = logging.getLogger(__name__)
 
 
 # Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H200
@@ -35,6 +38,7 @@ from .runtime import count_stand_in, vector_align
 # kernel of about 0.5 ms, past which the host runs ahead of the GPU.
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
+_captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
 
 
 @contextlib.contextmanager
@@ -89,8 +93,16 @@ def flash_attn_fwd(
 def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
     """(out, None) by PyTorch's SDPA (cuDNN or FlashAttention-2 on CUDA), for an unmasked call: what
     serves it while its own kernel compiles in the background
-    (:func:`sdpatch.kernels.runtime.compiles_in_background`). The same function up to rounding."""
+    (:func:`sdpatch.kernels.runtime.compiles_in_background`). The same function up to rounding.
+    A CUDA graph captured now holds SDPA for good, unless it is sdpatch's own (``for_capture``),
+    which is captured again once the kernel is ready: any other capture is warned about, once."""
     count_stand_in()
+    global _captured_stand_in
+    if _capture_depth == 0 and not _captured_stand_in and runtime.capturing(q.device):
+        _captured_stand_in = True
+        logger.warning("sdpatch: a CUDA graph is being captured while attention kernels still compile in the "
+                       "background; PyTorch's SDPA stands in for them in that graph. Call "
+                       "sdpatch.wait_for_kernels() after the warm-up and before capturing to have sdpatch's kernels.")
     return F.scaled_dot_product_attention(q, k, v, scale=scale), None
 
 

@@ -403,13 +403,12 @@ def stands_aside(plan: Plan, device: torch.device, launches: Callable[[], list[t
         return True
     if later is LAUNCHED:
         return False
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not later.done():
-        if _background or capturing:
+        if _background or capturing(device):
             return True
         start_deferred()
         later.exception()  # waits until it is done
-    elif capturing:
+    elif capturing(device):
         return True
     plan.later = LAUNCHED
     if later.exception() is not None:
@@ -418,6 +417,11 @@ def stands_aside(plan: Plan, device: torch.device, launches: Callable[[], list[t
 
 
 LAUNCHED = "launched"  # a plan's ``later`` once its background compile is done and its kernel has served
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def stood_in() -> int:
