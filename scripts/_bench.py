@@ -121,11 +121,17 @@ def training_unet(preset: str = "sd15"):
 
 
 def warm_up_step(step, unet, calls: int = 1) -> None:
-    """``calls`` calls of a training ``step`` (compile, autotune, the layouts' launch plans), then
-    the parameters' gradients cleared: the next step's peak counts them as its own, not as memory
-    live before it. The allocator's cache is emptied too, so the next step starts from the blocks a
-    fresh process would hold whatever ran before, not from the blocks the variant before left."""
+    """``calls`` calls of a training ``step`` (compile, autotune, the layouts' launch plans; a layout
+    the Gluon forward serves compiles in the background, waited for here), then the parameters'
+    gradients cleared: the next step's peak counts them as its own, not as memory live before it.
+    The allocator's cache is emptied too, so the next step starts from the blocks a fresh process
+    would hold whatever ran before, not from the blocks the variant before left."""
+    from sdpatch import wait_for_kernels
+
     for _ in range(calls):
+        step()
+    if not wait_for_kernels(timeout=0):  # a kernel compiling in the background: wait, and launch it once
+        wait_for_kernels()
         step()
     for p in unet.parameters():
         p.grad = None
