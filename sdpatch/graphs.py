@@ -366,9 +366,9 @@ def stand_in_calls() -> int:
 # A patched model's calls that no graph replays (patch_unet without cuda_graphs, --no-cuda-graphs, a
 # --vram-budget plan) compile new layouts' kernels in the background too, as a graph's first warm-up
 # does: a forward pre-hook puts the call in background mode, and a forward hook, run even when the
-# call raises, ends it and starts the compiles it asked for, on the runtime's EAGER_COMPILE_THREADS
-# (one: an eager loop is host-bound, and shares the GIL with them). Calls a graph runner serves, and
-# traces, are left to the runner and the trace. Only inference calls stand aside
+# call raises, ends it and starts the compiles it asked for (on the runtime's one background
+# compile thread: an eager loop is host-bound, and shares the GIL with it). Calls a graph runner
+# serves, and traces, are left to the runner and the trace. Only inference calls stand aside
 # (:func:`sdpatch.kernels.runtime.stands_aside`): a training call needs its kernel's log-sum-exp, and
 # compiles as it comes.
 _eager = threading.local()  # .open: per hooked call in progress, whether it entered background mode
@@ -409,7 +409,7 @@ def _eager_end(module: torch.nn.Module, args, output) -> None:
     if _eager.open.pop():
         runtime = _triton()
         runtime.background_off()
-        runtime.start_deferred(runtime.EAGER_COMPILE_THREADS)
+        runtime.start_deferred()
 
 
 def _offloaded(module: torch.nn.Module) -> bool:

@@ -214,8 +214,6 @@ def test_a_graph_captured_without_stand_ins_is_kept_while_other_kernels_compile(
 class FakeRuntime:
     """Stands in for sdpatch.kernels.runtime in the eager hooks: records background mode's turns."""
 
-    EAGER_COMPILE_THREADS = 2
-
     def __init__(self):
         self.events, self.depth = [], 0
 
@@ -228,26 +226,26 @@ class FakeRuntime:
         self.depth -= 1
         self.events.append("off")
 
-    def start_deferred(self, threads=None):
-        self.events.append(("start", threads))
+    def start_deferred(self):
+        self.events.append("start")
         return 0
 
 
 def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_at_their_end(unet, monkeypatch):
     """Each eager call of a patched model runs in background mode (new layouts hand their compiles to
-    threads, stand-ins serve meanwhile) and starts what it asked for as it ends, on the few threads an
-    eager loop leaves the GIL to; one raising inside still leaves the mode. A model a graph runner
-    serves is left to the runner, and an unpatched one is left alone."""
+    threads, stand-ins serve meanwhile) and starts what it asked for as it ends; one raising inside
+    still leaves the mode. A model a graph runner serves is left to the runner, and an unpatched one
+    is left alone."""
     fake = FakeRuntime()
     monkeypatch.setattr(graphs, "_triton", lambda: fake)
     patch_unet(unet, backend="chunked")
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
         unet(**kw)
-        assert fake.events == ["on", "off", ("start", 2)] and fake.depth == 0
+        assert fake.events == ["on", "off", "start"] and fake.depth == 0
         with pytest.raises(RuntimeError):
             unet(**{**kw, "sample": kw["sample"][:, :1]})  # a wrong channel count raises in conv_in
-        assert fake.events[3:] == ["on", "off", ("start", 2)] and fake.depth == 0
+        assert fake.events[3:] == ["on", "off", "start"] and fake.depth == 0
         runner, _ = fake_runner(unet)
         monkeypatch.setattr(graphs, "runner_of", lambda module: runner)
         unet(**kw)

@@ -271,20 +271,23 @@ _deferred: list = []
 _stand_ins = 0  # calls a stand-in served while their kernels compiled (see stood_in)
 
 
-# Threads for compiles started between eager calls, which a host-bound eager loop shares the GIL with.
-# Measured on the 2-core CPU machine (triton 3.9, the forward compiled for sm_90 at 8 head dims beside
-# a loop of eager tiny-UNet calls, 2026-12-04): one thread slowed the loop 1.23-1.30x for 3.9-4.3 s,
-# 0.8-1.0 s of its time lost, two 1.7-2.2x for 3.1-3.5 s (1.3-1.7 s lost), eight 6.7x for 3.7 s;
-# compiling them in the loop's own thread took 4.3 s of it. From Triton's disk cache, the same 8
-# loaded in 0.41 s in the loop's thread, and cost it 0.07 s from one thread, 0.27 s from two.
-EAGER_COMPILE_THREADS = 1
+# One thread runs every compile handed to the background, for a graph's warm-up and for eager calls
+# alike: the caller's loop is host-bound and shares the GIL with it, and much of a compile holds the
+# GIL. Measured on the 2-core CPU machine (triton 3.9, SD 1.5's 8 forward layouts compiled for sm_90,
+# 2026-12-04): from Triton's disk cache they loaded in 0.35-0.37 s on one thread and 1.38-1.40 s on
+# eight, whose turns at the GIL cost more than they overlap; from scratch, 4.60 s on one and 4.75 s
+# on eight. Beside a loop of eager tiny-UNet calls of 18-20 ms, compiling from scratch on one thread
+# slowed the loop 1.23-1.30x for 3.9-4.3 s (0.8-1.0 s of its time lost), on two 1.7-2.2x (1.3-1.7 s),
+# on eight 6.7x (3.2 s), against 4.3 s in the loop's own thread; cache loads cost it 0.07 s from one
+# thread, 0.27 s from two, 0.41 s in its own.
+LATER_COMPILE_THREADS = 1
 
 
 @functools.lru_cache(maxsize=None)
-def _later_pool(threads: int):
+def _later_pool():
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(threads, thread_name_prefix="sdpatch-compile-later")
+    return ThreadPoolExecutor(LATER_COMPILE_THREADS, thread_name_prefix="sdpatch-compile-later")
 
 
 def background_on() -> bool:
@@ -369,11 +372,11 @@ def _build(future, device: torch.device, launches: list[tuple]) -> None:
         future.set_result(None)
 
 
-def start_deferred(threads: int = COMPILE_THREADS) -> int:
-    """Start the compiles :func:`compile_later` was asked for, on ``threads`` threads at once; how many."""
+def start_deferred() -> int:
+    """Start the compiles :func:`compile_later` was asked for (on :data:`LATER_COMPILE_THREADS`); how many."""
     tasks = len(_deferred)
     for task in _deferred:
-        _later_pool(threads).submit(task)
+        _later_pool().submit(task)
     _deferred.clear()
     return tasks
 
