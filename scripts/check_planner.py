@@ -101,17 +101,29 @@ def timed(pipe, size: int) -> tuple[list, float, list]:
     return phases, sorted(steps)[len(steps) // 2], images
 
 
+def stream_reserved() -> dict[str, int]:
+    """Reserved bytes per CUDA stream now, from the allocator's snapshot ("default" and each side
+    stream's handle): group offload's copy stream keeps its own pool (sdpatch.planner.leaf_offload_run)."""
+    pools: dict[str, int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = "default" if segment["stream"] == 0 else hex(segment["stream"])
+        pools[key] = pools.get(key, 0) + segment["total_size"]
+    return pools
+
+
 def planned_run(pipe, size: int, budget: float) -> tuple:
     """``sdpatch.fit`` for ``budget`` GiB, as generate plans a CPU-loaded pipeline, then :func:`timed`;
-    the plan, its phases, step and images. The plan is removed after (the pipeline is back on the CPU)."""
+    the plan, its phases, step, images and the reserve of each stream after the run. The plan is
+    removed after (the pipeline is back on the CPU)."""
     release()
     chosen = sdpatch.fit(pipe, budget, height=size, width=size, best_effort=True, device="cuda")
     try:
         phases, step, images = timed(pipe, size)
+        pools = stream_reserved()
     finally:
         remove_plan(pipe)
     release()
-    return chosen, phases, step, images
+    return chosen, phases, step, images, pools
 
 
 def unstreamed_images(pipe, size: int, levers) -> list:
@@ -177,7 +189,7 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
             cpu_pipe.set_progress_bar_config(disable=True)
             # Planned, by hand, planned again (ABA): the planned step is the better of its two runs,
             # so that a drift in the host's speed does not read as the plan's cost.
-            chosen, phases, step, images = planned_run(cpu_pipe, size, budget)
+            chosen, phases, step, images, pools = planned_run(cpu_pipe, size, budget)
             hand_step = None
             if sdpatch.planner.weight_levers(chosen.levers):
                 hand = copy.deepcopy(cpu_pipe)
@@ -202,6 +214,7 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
                 est_allocated=max(p.allocated for p in chosen.estimate.phases), allocated=max(p.peak_allocated for p in phases),
                 phases=[(p.name, p.peak_allocated, p.peak_reserved) for p in phases],
                 est_phases=[(p.name, p.allocated, p.reserved) for p in chosen.estimate.phases],
+                stream_reserved=pools,
                 step=step, hand_step=hand_step, step_factor=chosen.cost.step_factor, step_seconds=chosen.cost.step_seconds,
             ))
             print(json.dumps(rows[-1]), flush=True)
@@ -240,6 +253,10 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
         cells = ", ".join(f"{PHASE_LABELS[n]} {ea / GIB:.2f}/{ma / GIB:.2f}, {er / GIB:.2f}/{mr / GIB:.2f}"
                           for (n, ea, er), (_, ma, mr) in zip(r["est_phases"], r["phases"]))
         print(f"{r['model']} {r['size']}² {r['budget_gib']:g} GiB: {cells}")
+    print("\nreserved per stream after the planned run, MiB:")
+    for r in rows:
+        pools = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["stream_reserved"].items())
+        print(f"{r['model']} {r['size']}² {r['budget_gib']:g} GiB: {pools}")
     return rows
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -120,8 +122,8 @@ def flash_style_sdpa():
         F.scaled_dot_product_attention = real
 
 
-def traced_unet(pipe, shape: RunShape, batch: int, conv_workspace: float = 0.0) -> int:
-    unet = pipe.unet
+def unet_call(unet, shape: RunShape, batch: int) -> tuple[list[torch.Tensor], Callable[[], Any]]:
+    """A UNet call's inputs, and the call."""
     device, dtype = unet.device, unet.dtype
     lat = (shape.height // 8, shape.width // 8)
     x = torch.randn(batch, 4, *lat, device=device, dtype=dtype)
@@ -133,11 +135,86 @@ def traced_unet(pipe, shape: RunShape, batch: int, conv_workspace: float = 0.0) 
             "time_ids": torch.randn(batch, 6, device=device, dtype=dtype),
         }
     inputs = [x, ctx, *kwargs.get("added_cond_kwargs", {}).values()]
-    weights = [*unet.parameters(), *unet.buffers()]
+    t = torch.tensor(999.0, device=device)
+    return inputs, lambda: unet(x, t, encoder_hidden_states=ctx, return_dict=False, **kwargs)
+
+
+def traced_unet(pipe, shape: RunShape, batch: int, conv_workspace: float = 0.0) -> int:
+    inputs, call = unet_call(pipe.unet, shape, batch)
+    weights = [*pipe.unet.parameters(), *pipe.unet.buffers()]
     live = LiveBytes(*weights, *inputs, conv_workspace=conv_workspace)
     with torch.no_grad(), flash_style_sdpa(), live:
-        unet(x, torch.tensor(999.0, device=device), encoder_hidden_states=ctx, return_dict=False, **kwargs)
+        call()
     return live.peak
+
+
+def offload_groups(unet) -> dict[torch.nn.Module, int]:
+    """diffusers' leaf-level groups and their bytes: each layer of the types it treats as leaves,
+    and each other module's own parameters."""
+    from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
+
+    def nbytes(m, recurse):
+        return sum(p.numel() * p.element_size() for p in (*m.parameters(recurse), *m.buffers(recurse)))
+
+    groups = {}
+    for m in unet.modules():
+        size = nbytes(m, True) if isinstance(m, _GO_LC_SUPPORTED_PYTORCH_LAYERS) else nbytes(m, False)
+        if size:
+            groups[m] = size
+    leaves = [m for m in groups if isinstance(m, _GO_LC_SUPPORTED_PYTORCH_LAYERS)]
+    for leaf in leaves:  # a leaf's children are in its group
+        for child in leaf.modules():
+            if child is not leaf:
+                groups.pop(child, None)
+    return groups
+
+
+def group_order(unet, shape: RunShape) -> list[tuple[torch.nn.Module, int]]:
+    """The groups in the order a forward pass first runs them (as diffusers' lazy prefetch finds it)."""
+    groups, order = offload_groups(unet), []
+    handles = [m.register_forward_pre_hook(lambda m, _: order.append(m) if m not in order else None) for m in groups]
+    try:
+        with torch.no_grad(), flash_style_sdpa():
+            unet_call(unet, shape, 1)[1]()
+    finally:
+        for h in handles:
+            h.remove()
+    return [(m, groups[m]) for m in order]
+
+
+def traced_leaf_offload(pipe, shape: RunShape, batch: int, conv_workspace: float) -> tuple[int, int]:
+    """:func:`traced_unet` with diffusers' leaf-level group offload with streams as its hooks run
+    it after the first call: a group's pre-forward copies in the next group (the prefetch), its
+    post-forward drops it. Returns the peak and the most weight bytes on the device at once."""
+    order = group_order(pipe.unet, shape)
+    position = {m: i for i, (m, _) in enumerate(order)}
+    inputs, call = unet_call(pipe.unet, shape, batch)
+    live = LiveBytes(*pipe.unet.parameters(), *pipe.unet.buffers(), *inputs, conv_workspace=conv_workspace)
+    on, most = set(), [0]
+
+    def load(i):
+        if i < len(order) and i not in on:
+            on.add(i)
+            live.now += order[i][1]
+            most[0] = max(most[0], sum(order[j][1] for j in on))
+
+    def pre(m, _):
+        load(position[m])
+        load(position[m] + 1)
+
+    def post(m, _, __):
+        on.discard(position[m])
+        live.now -= order[position[m]][1]
+
+    handles = [h for m in position for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    load(0)  # the UNet's own pre-forward prefetches its first group
+    try:
+        with torch.no_grad(), flash_style_sdpa(), live:
+            call()
+    finally:
+        for h in handles:
+            h.remove()
+    return live.peak, most[0]
 
 
 def traced_decode(pipe, shape: RunShape, conv_workspace: float = 0.0) -> int:
@@ -188,6 +265,35 @@ def test_unet_model_replays_diffusers_liveness(meta_pipes, name, height, width, 
         remove_plan(pipe)
     modelled, _ = unet_peak(spec, shape, batch=batch, ff_chunks=ff_chunks, cuda=conv_workspace > 0)
     assert modelled == pytest.approx(traced, rel=0.005)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sd21", "sdxl"])
+def test_the_replay_runs_the_unets_offload_groups_in_order(meta_pipes, name):
+    """The weights the UNet's replay gives its layers are the real UNet's leaf-level offload
+    groups, byte for byte, in the order its forward pass runs them."""
+    shape = RunShape(512, 512)
+    m = estimator._Live(0.0, trace=True)
+    estimator._unet(m, model_spec(meta_pipes[name]), shape, 1, 1)
+    replayed = [weights for _, weights, _ in m.ops if weights]
+    assert replayed == [size for _, size in group_order(meta_pipes[name].unet, shape)]
+    assert sum(replayed) == module_bytes(meta_pipes[name].unet)
+
+
+@pytest.mark.parametrize("name, height, width, batch, ff_chunks", LIVENESS_CASES[:4] + LIVENESS_CASES[5:6])
+def test_leaf_offload_model_replays_its_liveness(meta_pipes, name, height, width, batch, ff_chunks):
+    """Activations and offloaded weights together: leaf_offload_run against a trace of the real
+    UNet with diffusers' leaf-level prefetch order replayed by hooks."""
+    pipe = meta_pipes[name]
+    spec = replace(model_spec(pipe), attention={"unet": planner.AttentionCost(), "vae": planner.AttentionCost()})
+    shape = RunShape(height, width)
+    apply_plan(pipe, Levers(ff_chunks=ff_chunks))
+    try:
+        peak, most = traced_leaf_offload(pipe, shape, batch, 1.0)
+    finally:
+        remove_plan(pipe)
+    run = estimator.leaf_offload_run(spec, shape, batch=batch, ff_chunks=ff_chunks, cuda=True)
+    assert run.peak == pytest.approx(peak, rel=0.005)
+    assert run.most == most
 
 
 @pytest.mark.parametrize("name, size", [("sd15", 512), ("sd15", 776), ("sdxl", 1024)])
@@ -883,27 +989,40 @@ def test_weight_levers_lower_the_estimate_in_order(meta_pipes):
     ]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
     unet = spec.weights["unet"]
-    assert spec.footprints["unet"]["leaf_level"] < 0.05 * unet < spec.footprints["unet"]["block_level"]
+    leaf = estimator.leaf_offload_run(spec, shape, batch=2, cuda=True)
+    assert leaf.weights <= leaf.most < 0.05 * unet < spec.footprints["unet"]["block_level"]
     assert 0.5 * unet < spec.footprints["unet"]["fp8"] < 0.6 * unet  # fp16 -> fp8, norms kept
 
 
 @pytest.mark.parametrize("offload", ["leaf_level", "block_level"])
-def test_the_offload_streams_pool_stays_reserved_after_denoising(meta_pipes, offload):
+def test_the_offload_streams_pool_stays_reserved_after_denoising(monkeypatch, meta_pipes, offload):
     """Group offload's stream keeps its freed blocks in its own pool: the VAE decode after the
     denoising steps cannot reuse them, so its reserved estimate holds them (as the denoising phase
-    reserved them); phases before, and a GPU-less run, do not."""
+    reserved them); phases before, and a GPU-less run, do not. Block level's pool is its groups'
+    bytes, reserved like activations; leaf level's the most bytes its layer-by-layer replay holds."""
     from sdpatch.planner.estimator import RESERVE_OVER_ACTIVATIONS
 
     spec = flash_spec(meta_pipes["sd15"])
     shape = RunShape(512, 512)
     offloaded = Levers(text_encoder_offload=True, group_offload=offload)
-    # The same run, had the stream held nothing: outside the denoising steps the same weights are on the device.
-    empty = replace(spec, footprints={**spec.footprints, "unet": {**spec.footprints["unet"], offload: 0}})
-    pool = RESERVE_OVER_ACTIVATIONS[False] * spec.footprints["unet"][offload]
+    if offload == "leaf_level":
+        most, page = estimator.leaf_offload_run(spec, shape, batch=2, cuda=True).most, estimator.OFFLOAD_POOL_ROUNDING
+        pool = (-(-most // page) + 1) * page  # whole pages, and one for the small blocks
+        # The same run, had the stream held nothing.
+        real = estimator.leaf_offload_run
+        held_nothing = lambda *args, **kwargs: replace(real(*args, **kwargs), most=0)  # noqa: E731
+        with monkeypatch.context() as m:
+            m.setattr(estimator, "leaf_offload_run", held_nothing)
+            empty = {d: estimate(spec, shape, offloaded, d) for d in (CUDA, DeviceState())}
+    else:
+        pool = RESERVE_OVER_ACTIVATIONS[False] * spec.footprints["unet"][offload]
+        held_nothing = replace(spec, footprints={**spec.footprints, "unet": {**spec.footprints["unet"], offload: 0}})
+        empty = {d: estimate(held_nothing, shape, offloaded, d) for d in (CUDA, DeviceState())}
+    assert pool > 0
     for phase, extra in (("text_encoding", 0), ("vae_decode", pool)):
-        a, b = (estimate(s, shape, offloaded, CUDA).phase(phase) for s in (spec, empty))
+        a, b = estimate(spec, shape, offloaded, CUDA).phase(phase), empty[CUDA].phase(phase)
         assert a.allocated == b.allocated and a.reserved - b.reserved == pytest.approx(extra, abs=1), phase
-        a, b = (estimate(s, shape, offloaded, DeviceState()).phase(phase) for s in (spec, empty))
+        a, b = estimate(spec, shape, offloaded, DeviceState()).phase(phase), empty[DeviceState()].phase(phase)
         assert a.reserved == b.reserved, phase
 
 

@@ -11,17 +11,19 @@ the allocator's reserve over allocated; on the host, the process's resident memo
 Calibration (H200, fp16, torch 2.11, 2026-11-30, docs/benchmarks.md): the liveness alone
 reproduces the SD 1.5 UNet call peaks over the weights exactly (131 / 520 / 2080 MiB at
 512 / 1024 / 2048 px, batch 2); the VAE decode and SDXL UNet peaks sit above liveness by one
-convolution's input plus output bytes (:data:`CONV_WORKSPACE`). What this does not model: Triton
-autotuning's scratch buffer on a shape's first run, and reserved memory under expandable
-segments, which was never measured (:data:`RESERVE_OVER_ACTIVATIONS`). ``scripts/check_planner.py``
-compares estimates with measured peaks on a GPU.
+convolution's input plus output bytes (:data:`CONV_WORKSPACE`). Under leaf-level group offload the
+UNet's layers' weights are replayed beside the activations, as diffusers copies them in and drops
+them (:func:`leaf_offload_run`). What this does not model: Triton autotuning's scratch buffer on a
+shape's first run, and the caching allocator itself: reserved memory is allocated plus a factor on
+the activations fitted on measured runs (:data:`RESERVE_OVER_ACTIVATIONS`).
+``scripts/check_planner.py`` compares estimates with measured peaks on a GPU.
 
 The streamed VAE decode (:mod:`~sdpatch.planner.streamed_decode`) is replayed the same way, strip
-by strip, and matches its own allocations exactly on the CPU and the meta device (tests). Not yet
-measured on a GPU, and assumed as for diffusers' decoder: cuDNN's workspace on its strip
-convolutions (:data:`CONV_WORKSPACE`), the reserve over allocated of its per-layer whole tensors
-and strips (:data:`RESERVE_OVER_ACTIVATIONS`), and the time of its host store's copies
-(:data:`HOST_TO_DEVICE_BYTES_PER_S`); ``scripts/check_planner.py --small-cards`` measures them.
+by strip, and matches its own allocations exactly on the CPU and the meta device (tests). On a GPU
+it is taken as diffusers' decoder is: cuDNN's workspace on its strip convolutions
+(:data:`CONV_WORKSPACE`), the reserve over allocated of its per-layer whole tensors and strips
+(:data:`RESERVE_OVER_ACTIVATIONS`), and the time of its host store's copies
+(:data:`HOST_TO_DEVICE_BYTES_PER_S`).
 """
 
 from __future__ import annotations
@@ -60,8 +62,19 @@ CONV_WORKSPACE = 1.0
 # H200, 2026-11-30): full-size VAE decodes reserve 1.14-1.16x their activations (SD 1.5 and SDXL
 # at 512-2048 px), the UNet 1.06-1.28x (SDXL 2048 px highest). 1.10, assumed before that run,
 # underestimated SDXL 2048 px with an 8 GiB budget by 5 % (8.40 GiB reserved against 7.96), so
-# the plan missed its budget; 1.16 would have estimated 8.07 and added split CFG.
-RESERVE_OVER_ACTIVATIONS = {True: 1.16, False: 1.90}
+# the plan missed its budget; 1.16 would have estimated 8.07 and added split CFG. With the leaf-level
+# offload pool replayed (OFFLOAD_POOL_ROUNDING; 2026-12-04), the small-card runs' default stream
+# reserved 1.26x the activations (SD 1.5 512², diffusers' decoder), 1.21x (SD 1.5 2048², the UNet with
+# 4 feed-forward chunks), 1.08x (the same with split CFG, 2026-12-03) and 1.10-1.12x (SDXL's streamed
+# decode): 1.20 puts all five within -7...+9 %, and keeps the 4-chunk plan, which reserved 2.01 GiB,
+# out of a 2 GiB budget (1.16 estimated it at 1.95).
+RESERVE_OVER_ACTIVATIONS = {True: 1.20, False: 1.90}
+
+# The copy stream's pool under leaf-level group offload, over the most weight bytes its replay holds
+# at once (LeafOffloadRun.most): the allocator maps whole 2 MiB pages, and the small blocks (norms,
+# biases) take a page of their own. Measured (H200, 2026-12-04, expandable segments): 62 MiB at SDXL
+# (59.4 replayed), 64 at SD 1.5 (59.4).
+OFFLOAD_POOL_ROUNDING = 2 * MIB
 
 # On the host the budget is the process's resident memory, which holds more than the tensors do:
 # glibc's heap keeps freed blocks below its (growing) mmap threshold, oneDNN reorders each
@@ -186,24 +199,38 @@ class _Live:
     ``new`` allocates an op's output, ``free`` releases tensors whose last reference is gone.
     ``workspace`` (bytes) is held only while the op runs: cuDNN's convolution workspace, an
     attention score buffer.
+
+    ``weights`` (bytes) are the parameters of the layer the op runs. With ``trace``, every op is
+    kept in :attr:`ops` as (bytes live with its workspace, its weights, site), in order: the
+    weights' own replay (:func:`leaf_offload_run`).
     """
 
-    def __init__(self, conv_workspace: float) -> None:
+    def __init__(self, conv_workspace: float, trace: bool = False) -> None:
         self.now = 0
         self.peak = 0
         self.site = ""
         self.conv_workspace = conv_workspace
+        self.ops: list[tuple[float, int, str]] | None = [] if trace else None
 
-    def new(self, nbytes: float, site: str, workspace: float = 0) -> float:
+    def new(self, nbytes: float, site: str, workspace: float = 0, weights: int = 0) -> float:
         self.now += nbytes
         if self.now + workspace > self.peak:
             self.peak, self.site = self.now + workspace, site
+        if self.ops is not None:
+            self.ops.append((self.now + workspace, weights, site))
         return nbytes
 
-    def conv(self, nbytes_in: float, nbytes_out: float, site: str, pointwise: bool = False) -> float:
+    def run(self, weights: int, site: str) -> None:
+        """A layer whose output the replay leaves out (a few bytes: the time embedding's vectors)."""
+        self.new(0, site, weights=weights)
+
+    def conv(
+        self, nbytes_in: float, nbytes_out: float, site: str, pointwise: bool = False, weights: int = 0
+    ) -> float:
         """A convolution's output, with its workspace while it runs; ``pointwise``: a 1x1 one, which
         cuDNN runs as a matrix product, without the workspace (see :data:`CONV_WORKSPACE`)."""
-        return self.new(nbytes_out, site, 0 if pointwise else self.conv_workspace * (nbytes_in + nbytes_out))
+        workspace = 0 if pointwise else self.conv_workspace * (nbytes_in + nbytes_out)
+        return self.new(nbytes_out, site, workspace, weights)
 
     def free(self, *nbytes: float) -> None:
         self.now -= sum(nbytes)
@@ -232,25 +259,40 @@ class _Grid:
     def up(self) -> _Grid:
         return replace(self, h=self.h * 2, w=self.w * 2)
 
+    # The bytes of a layer's parameters, in this element size.
+    def conv_weights(self, c_in: int, c_out: int, kernel: int = 3) -> int:
+        return (c_in * c_out * kernel * kernel + c_out) * self.elem
 
-def _resnet(m: _Live, g: _Grid, c_in: int, c_out: int, site: str, temb: bool = True) -> float:
-    """diffusers' ResnetBlock2D on an input its caller holds; returns the output's bytes."""
-    a = m.new(g(c_in), site)  # norm1
+    def linear_weights(self, d_in: int, d_out: int, bias: bool = True) -> int:
+        return (d_in * d_out + d_out * bias) * self.elem
+
+    def norm_weights(self, channels: int) -> int:  # GroupNorm and LayerNorm: a scale and a shift
+        return 2 * channels * self.elem
+
+
+def _resnet(m: _Live, g: _Grid, c_in: int, c_out: int, site: str, temb: int = 0) -> float:
+    """diffusers' ResnetBlock2D on an input its caller holds, ``temb``: its time embedding's
+    channels (0: none); returns the output's bytes."""
+    a = m.new(g(c_in), site + ".norm1", weights=g.norm_weights(c_in))
     b = m.new(g(c_in), site)  # SiLU, while the norm's output is still bound
     m.free(a)
-    c = m.conv(b, g(c_out), site + ".conv1")
+    c = m.conv(b, g(c_out), site + ".conv1", weights=g.conv_weights(c_in, c_out))
     m.free(b)
-    if temb:  # + the time embedding: a new tensor
+    if temb:  # + the time embedding, projected: a new tensor
+        m.run(g.linear_weights(temb, c_out), site + ".time_emb_proj")
         d = m.new(g(c_out), site)
         m.free(c)
         c = d
-    e = m.new(g(c_out), site)  # norm2
+    e = m.new(g(c_out), site + ".norm2", weights=g.norm_weights(c_out))
     m.free(c)
     f = m.new(g(c_out), site)  # SiLU
     m.free(e)
-    h = m.conv(f, g(c_out), site + ".conv2")
+    h = m.conv(f, g(c_out), site + ".conv2", weights=g.conv_weights(c_out, c_out))
     m.free(f)
-    s = m.conv(g(c_in), g(c_out), site + ".conv_shortcut", pointwise=True) if c_in != c_out else 0
+    s = 0
+    if c_in != c_out:
+        shortcut = g.conv_weights(c_in, c_out, kernel=1)
+        s = m.conv(g(c_in), g(c_out), site + ".conv_shortcut", pointwise=True, weights=shortcut)
     t = m.new(g(c_out), site)  # input + h
     out = m.new(g(c_out), site)  # / output_scale_factor
     m.free(t, h, s)
@@ -274,41 +316,52 @@ def _score_buffer(
 
 
 def _attention(
-    m: _Live, g: _Grid, channels: int, heads: int, kv_tokens: int | None, cost: AttentionCost, site: str
+    m: _Live,
+    g: _Grid,
+    channels: int,
+    heads: int,
+    context: tuple[int, int] | None,
+    cost: AttentionCost,
+    site: str,
 ) -> float:
     """diffusers' Attention on (B, N, C) input, AttnProcessor2_0's recipe (sdpatch's processor
-    follows it); ``kv_tokens`` None for self-attention. Returns the output's bytes."""
+    follows it); ``context``: the cross-attention's (tokens, channels), None for self-attention.
+    Returns the output's bytes."""
     x = g(channels)
-    kv = x if kv_tokens is None else channels * kv_tokens * g.batch * g.elem
-    q = m.new(x, site)
-    k = m.new(2 * kv, site)  # k and v
-    buffer = _score_buffer(cost, g.batch, heads, g.tokens, kv_tokens or g.tokens, channels // heads, g.elem)
+    kv_tokens, kv_dim = context or (g.tokens, channels)
+    kv = channels * kv_tokens * g.batch * g.elem
+    q = m.new(x, site + ".to_q", weights=g.linear_weights(channels, channels, bias=False))
+    k = m.new(kv, site + ".to_k", weights=g.linear_weights(kv_dim, channels, bias=False))
+    v = m.new(kv, site + ".to_v", weights=g.linear_weights(kv_dim, channels, bias=False))
+    buffer = _score_buffer(cost, g.batch, heads, g.tokens, kv_tokens, channels // heads, g.elem)
     # Laid out like q, (B, N, H, D) in memory (every SDPA kernel, sdpatch's too): back to
     # (B, N, H * D) is a view.
     o = m.new(x, site + ".attention", buffer)
-    lin = m.new(x, site)  # to_out
+    lin = m.new(x, site + ".to_out", weights=g.linear_weights(channels, channels))
     m.free(o)
     out = m.new(x, site)  # / rescale_output_factor
-    m.free(lin, q, k)
+    m.free(lin, q, k, v)
     return out
 
 
 def _feed_forward(m: _Live, g: _Grid, dim: int, inner: int, chunks: int, site: str) -> float:
     """diffusers' FeedForward with GEGLU (a projection to 2 x inner, GELU of the gate, their product,
     a projection back), in ``chunks`` token chunks written into one output (:class:`_ChunkedFeedForward`)."""
+    proj, back = g.linear_weights(dim, 2 * inner), g.linear_weights(inner, dim)
     if chunks <= 1:
-        p = m.new(g(2 * inner), site + ".ff")
+        p = m.new(g(2 * inner), site + ".ff.net.0.proj", weights=proj)
         gelu = m.new(g(inner), site + ".ff")
         y = m.new(g(inner), site + ".ff")
         m.free(p, gelu)
-        out = m.new(g(dim), site + ".ff")
+        out = m.new(g(dim), site + ".ff.net.2", weights=back)
         m.free(y)
         return out
     out = m.new(g(dim), site + ".ff")
     part = -(-g.tokens // chunks) / g.tokens  # the first chunk is the largest
     copy = g(dim) * part if g.batch > 1 else 0  # a token slice of a batch > 1 is strided: Linear copies it
-    peak = m.new(copy + g(4 * inner) * part, site + ".ff")
+    peak = m.new(copy + g(4 * inner) * part, site + ".ff", weights=proj)
     m.free(peak)
+    m.run(back, site + ".ff.net.2")
     return out
 
 
@@ -322,45 +375,49 @@ def _transformer(
     ff_chunks: int,
     cost: AttentionCost,
     site: str,
+    cross_dim: int,
 ) -> float:
-    """diffusers' Transformer2DModel (continuous input) on an input its caller holds."""
-    n = m.new(g(channels), site)  # GroupNorm
+    """diffusers' Transformer2DModel (continuous input) on an input its caller holds;
+    ``cross_dim``: the text embeddings' channels."""
+    n = m.new(g(channels), site + ".norm", weights=g.norm_weights(channels))  # GroupNorm
+    projection = g.linear_weights(channels, channels)  # a Linear or a 1x1 convolution: the same bytes
     if linear:
         r = m.new(g(channels), site)  # (B, C, H, W) -> (B, HW, C) is a copy
         m.free(n)
-        hs = m.new(g(channels), site)  # proj_in
+        hs = m.new(g(channels), site + ".proj_in", weights=projection)
         m.free(r)
     else:
-        p = m.conv(n, g(channels), site + ".proj_in", pointwise=True)
+        p = m.conv(n, g(channels), site + ".proj_in", pointwise=True, weights=projection)
         m.free(n)
         hs = m.new(g(channels), site)  # the copy to (B, HW, C)
         m.free(p)
+    norm = g.norm_weights(channels)
     for j in range(depth):
         block = f"{site}.transformer_blocks.{j}"
-        n1 = m.new(g(channels), block)
+        n1 = m.new(g(channels), block + ".norm1", weights=norm)
         a1 = _attention(m, g, channels, heads, None, cost, block + ".attn1")
         h2 = m.new(g(channels), block)  # + residual
-        n2 = m.new(g(channels), block)
+        n2 = m.new(g(channels), block + ".norm2", weights=norm)
         m.free(n1)
-        a2 = _attention(m, g, channels, heads, TEXT_TOKENS, cost, block + ".attn2")
+        a2 = _attention(m, g, channels, heads, (TEXT_TOKENS, cross_dim), cost, block + ".attn2")
         m.free(a1)  # attn_output now names attn2's result, which it keeps until the block returns
         h3 = m.new(g(channels), block)
         m.free(h2)
-        n3 = m.new(g(channels), block)
+        n3 = m.new(g(channels), block + ".norm3", weights=norm)
         m.free(n2)
         f = _feed_forward(m, g, channels, 4 * channels, ff_chunks, block)
         out = m.new(g(channels), block)
         m.free(f, h3, n3, a2, hs)  # the block's input goes when the caller rebinds it
         hs = out
     if linear:
-        o = m.new(g(channels), site)  # proj_out
+        o = m.new(g(channels), site + ".proj_out", weights=projection)
         m.free(hs)
         c = m.new(g(channels), site)  # back to (B, C, H, W), contiguous
         m.free(o)
     else:
         c0 = m.new(g(channels), site)
         m.free(hs)
-        c = m.conv(c0, g(channels), site + ".proj_out", pointwise=True)
+        c = m.conv(c0, g(channels), site + ".proj_out", pointwise=True, weights=projection)
         m.free(c0)
     out = m.new(g(channels), site)  # + residual
     m.free(c)
@@ -383,30 +440,40 @@ def _unet(m: _Live, spec: ModelSpec, shape: RunShape, batch: int, ff_chunks: int
             raise PlannerError(f"the memory planner does not model UNet block type {kind!r} (SD 1.x, 2.x, SDXL only)")
 
     g = _Grid(shape.height // spec.vae_scale, shape.width // spec.vae_scale, batch, spec.dtype_bytes)
-    hs = m.conv(g(cfg["in_channels"]), g(chans[0]), "conv_in")
+    cross = cfg["cross_attention_dim"]
+    temb = cfg.get("time_embedding_dim") or 4 * chans[0]
+    m.run(g.linear_weights(chans[0], temb), "time_embedding.linear_1")
+    m.run(g.linear_weights(temb, temb), "time_embedding.linear_2")
+    if cfg.get("addition_embed_type") == "text_time":  # SDXL's pooled text and size conditioning
+        m.run(g.linear_weights(cfg["projection_class_embeddings_input_dim"], temb), "add_embedding.linear_1")
+        m.run(g.linear_weights(temb, temb), "add_embedding.linear_2")
+    conv_in = g.conv_weights(cfg["in_channels"], chans[0])
+    hs = m.conv(g(cfg["in_channels"]), g(chans[0]), "conv_in", weights=conv_in)
     skips = [(hs, chans[0], g)]
     c_prev = chans[0]
     for i, kind in enumerate(cfg["down_block_types"]):
         site = f"down_blocks.{i}"
         for j in range(layers[i]):
-            r = _resnet(m, g, c_prev, chans[i], f"{site}.resnets.{j}")
+            r = _resnet(m, g, c_prev, chans[i], f"{site}.resnets.{j}", temb)
             if kind.startswith("CrossAttn"):
-                a = _transformer(m, g, chans[i], heads[i], depth[i], linear, ff_chunks, cost, f"{site}.attentions.{j}")
+                attn = f"{site}.attentions.{j}"
+                a = _transformer(m, g, chans[i], heads[i], depth[i], linear, ff_chunks, cost, attn, cross)
                 m.free(r)
                 r = a
             skips.append((r, chans[i], g))  # every output stays for the up path
             c_prev = chans[i]
         if i < n - 1:
             gd = g.down()
-            hs = m.conv(g(chans[i]), gd(chans[i]), f"{site}.downsamplers.0")
+            down = g.conv_weights(chans[i], chans[i])
+            hs = m.conv(g(chans[i]), gd(chans[i]), f"{site}.downsamplers.0.conv", weights=down)
             skips.append((hs, chans[i], gd))
             g = gd
 
     site = "mid_block"  # its input is the last skip, which stays
-    r = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.0")
-    a = _transformer(m, g, chans[-1], heads[-1], depth[-1], linear, ff_chunks, cost, site + ".attentions.0")
+    r = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.0", temb)
+    a = _transformer(m, g, chans[-1], heads[-1], depth[-1], linear, ff_chunks, cost, site + ".attentions.0", cross)
     m.free(r)
-    hs = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.1")
+    hs = _resnet(m, g, chans[-1], chans[-1], site + ".resnets.1", temb)
     m.free(a)
 
     c_hs = chans[-1]
@@ -421,28 +488,28 @@ def _unet(m: _Live, spec: ModelSpec, shape: RunShape, batch: int, ff_chunks: int
             cat = m.new(gs(c_hs + c_skip), site)
             if j:
                 m.free(cur)
-            r = _resnet(m, gs, c_hs + c_skip, rev[i], f"{site}.resnets.{j}")
+            r = _resnet(m, gs, c_hs + c_skip, rev[i], f"{site}.resnets.{j}", temb)
             m.free(cat)
             if kind.startswith("CrossAttn"):
                 attn = f"{site}.attentions.{j}"
-                a = _transformer(m, gs, rev[i], rev_heads[i], up_depth[i], linear, ff_chunks, cost, attn)
+                a = _transformer(m, gs, rev[i], rev_heads[i], up_depth[i], linear, ff_chunks, cost, attn, cross)
                 m.free(r)
                 r = a
             cur, c_hs, g = r, rev[i], gs
         if skips:  # upsampled to the size of the next skip
             gu = skips[-1][2]
             up = m.new(gu(c_hs), site + ".upsamplers.0")  # nearest interpolation
-            out = m.conv(up, gu(c_hs), site + ".upsamplers.0.conv")
+            out = m.conv(up, gu(c_hs), site + ".upsamplers.0.conv", weights=g.conv_weights(c_hs, c_hs))
             m.free(up, cur)
             cur, g = out, gu
         m.free(x, *(b for b, _, _ in res))
         hs = cur
 
-    norm = m.new(g(chans[0]), "conv_norm_out")
+    norm = m.new(g(chans[0]), "conv_norm_out", weights=g.norm_weights(chans[0]))
     m.free(hs)
     act = m.new(g(chans[0]), "conv_act")
     m.free(norm)
-    m.conv(act, g(cfg["out_channels"]), "conv_out")
+    m.conv(act, g(cfg["out_channels"]), "conv_out", weights=g.conv_weights(chans[0], cfg["out_channels"]))
 
 
 _UNET_BLOCKS = frozenset(
@@ -488,10 +555,10 @@ def _vae_head(m: _Live, spec: ModelSpec, g: _Grid) -> tuple[float, float]:
     c = cfg["block_out_channels"][-1]
     hs = m.conv(g(latent), g(c), "decoder.conv_in")
     site = "decoder.mid_block"
-    r = _resnet(m, g, c, c, site + ".resnets.0", temb=False)
+    r = _resnet(m, g, c, c, site + ".resnets.0")
     a = _vae_attention(m, g, c, cost, site + ".attentions.0")
     m.free(r)
-    r = _resnet(m, g, c, c, site + ".resnets.1", temb=False)
+    r = _resnet(m, g, c, c, site + ".resnets.1")
     m.free(a, hs)
     return post, r
 
@@ -507,7 +574,7 @@ def _vae_decoder(m: _Live, spec: ModelSpec, lat_h: int, lat_w: int, batch: int, 
         site = f"decoder.up_blocks.{i}"
         cur = hs  # the decoder holds the block's input until it returns
         for j in range(cfg["layers_per_block"] + 1):
-            r = _resnet(m, g, c_prev if j == 0 else c_out, c_out, f"{site}.resnets.{j}", temb=False)
+            r = _resnet(m, g, c_prev if j == 0 else c_out, c_out, f"{site}.resnets.{j}")
             if j:
                 m.free(cur)
             cur = r
@@ -761,6 +828,52 @@ def unet_peak(
 
 
 @dataclass(frozen=True)
+class LeafOffloadRun:
+    """One UNet call under diffusers' leaf-level group offload with CUDA streams, the layers'
+    parameters replayed beside the activations. Every layer with parameters of its own (each
+    Linear, convolution and norm) is a group: the group before it copies it in (the prefetch) as
+    that one starts, and it is dropped once it has run. So while a layer runs, its own and the
+    next layer's weights are on the device; between layers, the next layer's.
+
+    ``peak``: activations and weights on the device at their highest, and ``site`` where;
+    ``weights``: the weights' part of that peak; ``most``: the most weight bytes on the device at
+    once, which the copy stream's memory pool grows to (its freed blocks serve only that stream).
+    """
+
+    peak: int
+    weights: int
+    most: int
+    site: str
+
+
+def leaf_offload_run(
+    spec: ModelSpec,
+    shape: RunShape,
+    *,
+    batch: int,
+    ff_chunks: int = 1,
+    cuda: bool = False,
+    storage: float = 1.0,
+    cast: bool = False,
+) -> LeafOffloadRun:
+    """:class:`LeafOffloadRun` of one UNet call on ``batch`` samples (bytes over its inputs).
+    ``storage``: bytes stored per byte of the compute dtype's weights (fp8 storage: about half);
+    ``cast``: a running layer's weights are cast to the compute dtype (diffusers' layerwise casting
+    replaces the stored copy with it while the layer runs)."""
+    m = _Live(CONV_WORKSPACE if cuda else 0.0, trace=True)
+    _unet(m, spec, shape, batch, ff_chunks)
+    peak = at = most = 0.0
+    site, upcoming = "", 0
+    for live, weights, where in reversed(m.ops or []):
+        on = (weights if cast else storage * weights) + storage * upcoming
+        if live + on >= peak:
+            peak, at, site = live + on, on, where
+        most = max(most, on)
+        upcoming = weights or upcoming
+    return LeafOffloadRun(int(peak), int(at), int(most), f"unet.{site}")
+
+
+@dataclass(frozen=True)
 class _Decode:
     """A decode's device peak and where, and with the streamed decode's host store, its pinned
     host bytes at their peak and the bytes its strips copy between host and device."""
@@ -917,6 +1030,11 @@ def estimate(
     reserve = RESERVE_OVER_ACTIVATIONS[expandable]
     micro = min(levers.unet_micro_batch or shape.unet_batch, shape.unet_batch)
     unet, unet_site = unet_peak(spec, shape, batch=micro, ff_chunks=levers.ff_chunks, cuda=device.cuda)
+    # Leaf-level offload: the UNet's weights come and go layer by layer, replayed with the activations.
+    leaf = _leaf_offload(spec, shape, levers, micro, device.cuda)
+    unet_weights = 0
+    if leaf is not None:
+        unet, unet_site, unet_weights = leaf.peak, leaf.site, leaf.weights
     stream = _stream(levers)
     decode, decode_site = decode_peak(spec, shape, tile=levers.vae_tile, stream=stream, cuda=device.cuda)
     # The convolutions' workspace outside the tensors (oneDNN's reorders) on the host.
@@ -937,16 +1055,26 @@ def estimate(
     }
     # Group offload with CUDA streams allocates the UNet's weights on its own stream. PyTorch's
     # allocator keeps freed blocks in the pool of the stream that allocated them, which the default
-    # stream's allocations do not reuse: after denoising, what the stream held stays reserved (SD 1.5
-    # at 512², leaf level: the VAE decode measured 157 MiB over an estimate without it, H200).
-    offload_pool = reserve * _footprint(spec, levers, "unet", True)[1] if levers.group_offload and device.cuda else 0
+    # stream's allocations do not reuse: from the denoising phase on, what the stream held stays
+    # reserved (measured per stream under leaf level: 62-64 MiB, H200). Block level's groups reserve
+    # like activations; leaf level's pool is the most its replay had on the device at once, in pages.
+    offload_pool = 0
+    if levers.group_offload and device.cuda:
+        if leaf is not None and leaf.most:
+            pages = -(-leaf.most // OFFLOAD_POOL_ROUNDING) + 1  # the weights, rounded up, and the small blocks' page
+            offload_pool = pages * OFFLOAD_POOL_ROUNDING
+        else:
+            offload_pool = reserve * _footprint(spec, levers, "unet", True)[1]
     phases = []
     for name in PHASES:
         act, site = activations[name]
         weights, streamed = _weights(spec, levers, name)
         allocated = device.other + weights + act
         if device.cuda:  # streamed weights pass through the allocator as activations do, and reserve like them
-            reserved = allocated + device.cached + (reserve - 1) * (act + streamed)
+            if name == "denoising" and leaf is not None:  # the weights in act are in the stream's pool
+                reserved = allocated + device.cached + (reserve - 1) * (act - unet_weights) + offload_pool - unet_weights
+            else:
+                reserved = allocated + device.cached + (reserve - 1) * (act + streamed)
             if PHASES.index(name) > PHASES.index("denoising"):
                 reserved += offload_pool
         else:
@@ -977,6 +1105,8 @@ def _footprint(spec: ModelSpec, levers: Levers, name: str, running: bool) -> tup
         weights = own.get("fp8", weights)
     if levers.sequential_offload:
         return (own.get("sequential", weights), own.get("sequential", weights)) if running else (0, 0)
+    if name == "unet" and levers.group_offload == "leaf_level":
+        return 0, 0  # in the activations' replay (leaf_offload_run)
     if name == "unet" and levers.group_offload:
         size = own.get(levers.group_offload, weights)
         size = int(size * weights / spec.weights.get(name, weights))  # fp8 storage streams fp8 weights
@@ -988,6 +1118,16 @@ def _footprint(spec: ModelSpec, levers: Levers, name: str, running: bool) -> tup
     # fp8 storage: a layer's weights are cast back to the compute dtype while it runs.
     cast = own.get("fp8_cast", 0) if name == "unet" and levers.fp8_storage and running else 0
     return weights + cast, cast
+
+
+def _leaf_offload(spec: ModelSpec, shape: RunShape, levers: Levers, batch: int, cuda: bool) -> LeafOffloadRun | None:
+    """The UNet call under leaf-level group offload, if the plan has it (stored in fp8 with fp8 storage)."""
+    if levers.group_offload != "leaf_level" or levers.sequential_offload:
+        return None
+    weights = spec.weights.get("unet", 0)
+    storage = spec.footprints.get("unet", {}).get("fp8", weights) / weights if levers.fp8_storage and weights else 1.0
+    return leaf_offload_run(spec, shape, batch=batch, ff_chunks=levers.ff_chunks, cuda=cuda, storage=storage,
+                            cast=levers.fp8_storage)
 
 
 def _weights(spec: ModelSpec, levers: Levers, phase: str) -> tuple[int, int]:

@@ -76,9 +76,9 @@ def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
 
     ``block_level``: diffusers' group offload of each ModuleList entry, with streams: the group
     that runs and the next one, prefetched, plus the unmatched group (every other child, on the
-    device for the whole call). ``leaf_level``: each leaf layer as a group: the weights outside
-    leaf layers, and two of the largest leaves. ``sequential``: accelerate moves each module's own
-    weights when it runs: the largest. ``fp8``: all weights, the leaf layers' at one byte per
+    device for the whole call). Leaf level has none here: its layers come and go one by one,
+    replayed with the activations (:func:`~sdpatch.planner.estimator.leaf_offload_run`).
+    ``sequential``: accelerate moves each module's own weights when it runs: the largest. ``fp8``: all weights, the leaf layers' at one byte per
     element outside diffusers' skip patterns (norms, a top-level ``proj_in``/``proj_out``); ``fp8_cast``: the
     largest such layer back in its dtype while it runs. ``largest_conv``: the largest 2-D
     convolution's weights (the host's reorder of them, :data:`HOST_RESERVE_OVER_ACTIVATIONS`).
@@ -91,8 +91,6 @@ def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
             unmatched += _nbytes(child)
     pairs = [a + b for a, b in zip(groups, groups[1:])] or groups or [0]
     leaves = [m for m in module.modules() if isinstance(m, _LEAF_LAYERS)]
-    leaf_bytes = sorted((_nbytes(m) for m in leaves), reverse=True) or [0]
-    outside = _nbytes(module) - sum(leaf_bytes)
     own = [_nbytes(m, recurse=False) for m in module.modules()]
     skip = re.compile("|".join(_FP8_SKIP))
     cast = [
@@ -102,7 +100,6 @@ def offload_footprints(module: torch.nn.Module) -> dict[str, int]:
     elems = sum(t.numel() for m in cast for t in (*m.parameters(), *m.buffers()))
     return {
         "block_level": unmatched + max(pairs),
-        "leaf_level": outside + sum(leaf_bytes[:2]),
         "sequential": max(own),
         "fp8": _nbytes(module) - sum(cast_bytes) + elems * _FP8_BYTES,
         "fp8_cast": max(cast_bytes, default=0),
