@@ -24,6 +24,7 @@ and once without expandable segments, since the estimate's reserve over allocate
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -36,7 +37,7 @@ from sdpatch.generate import apply_backend, measured_call
 from sdpatch.compare import image_difference
 from sdpatch.memory import PHASE_LABELS, MemoryMeter
 from sdpatch.models import build_preset
-from sdpatch.planner import EXACT_LEVERS, GIB, expandable_segments_on, remove_plan
+from sdpatch.planner import EXACT_LEVERS, GIB, expandable_segments_on, remove_plan, search
 
 from _bench import environment
 
@@ -44,6 +45,9 @@ SIZES = (512, 1024, 2048)
 TARGETS = {"sd15": (2048, 3.0), "sdxl": (2048, 8.0)}
 # Issue 29's small-card targets: (model, size, budget GiB).
 SMALL_CARDS = (("sdxl", 1024, 2.0), ("sdxl", 2048, 4.0), ("sd15", 512, 1.0), ("sd15", 2048, 2.0))
+# fp8 weight storage (--allow-fp8) where group offload cannot run (diffusers without it, or too little
+# pinned host memory for it): SDXL 1024² in 4.5 GiB. Its image is set against the unplanned run's.
+FP8_CARD = ("sdxl", 1024, 4.5)
 SMALL_STEPS = 4  # the small-card runs: step time, the median of the measured run's steps after its first
 NO_LIMIT = 1024.0  # GiB: a budget that needs no lever, for the plain estimate
 
@@ -111,12 +115,12 @@ def stream_reserved() -> dict[str, int]:
     return pools
 
 
-def planned_run(pipe, size: int, budget: float) -> tuple:
+def planned_run(pipe, size: int, budget: float, allow_fp8: bool = False) -> tuple:
     """``sdpatch.fit`` for ``budget`` GiB, as generate plans a CPU-loaded pipeline, then :func:`timed`;
     the plan, its phases, step, images and the reserve of each stream after the run. The plan is
     removed after (the pipeline is back on the CPU)."""
     release()
-    chosen = sdpatch.fit(pipe, budget, height=size, width=size, best_effort=True, device="cuda")
+    chosen = sdpatch.fit(pipe, budget, height=size, width=size, best_effort=True, device="cuda", allow_fp8=allow_fp8)
     try:
         phases, step, images = timed(pipe, size)
         pools = stream_reserved()
@@ -171,15 +175,30 @@ def by_hand(pipe, levers) -> None:
         pipe.unet.register_forward_pre_hook(lambda *_: hook.offload())
 
 
-def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]:
+@contextlib.contextmanager
+def without_group_offload():
+    """The planner sees no group offload, as with a diffusers that lacks it: where fp8 storage is its lever."""
+    real = search.lever_unavailable
+    search.lever_unavailable = lambda lever: "withheld by check_planner --fp8" if lever == "group_offload" else real(lever)
+    try:
+        yield
+    finally:
+        search.lever_unavailable = real
+
+
+def small_cards(models: list[str], sizes: list[int] | None = None, fp8: bool = False) -> list[dict]:
     """Issue 29's targets, each run three ways: planned (sdpatch.fit on a pipeline built on the CPU,
     as generate loads one for such a plan), the plan's weight levers by hand (with its other levers
     through sdpatch) between two planned runs, and unplanned; each case is built anew on the CPU, each
-    model once on the GPU.
-    ``models``: the presets whose targets run, in this order; ``sizes``: only these sizes' targets."""
+    model once on the GPU. Each planned image is set against the unplanned one (PSNR).
+    ``models``: the presets whose targets run, in this order; ``sizes``: only these sizes' targets;
+    ``fp8``: :data:`FP8_CARD` alone, planned with ``allow_fp8`` and group offload withheld."""
     rows = []
     for name in models:
-        cases = [(size, budget) for model, size, budget in SMALL_CARDS if model == name and (not sizes or size in sizes)]
+        targets = [FP8_CARD] if fp8 else SMALL_CARDS
+        cases = [(size, budget) for model, size, budget in targets if model == name and (not sizes or size in sizes)]
+        if not cases:
+            continue
         for size, budget in cases:
             # A new CPU pipeline per case: each model's second case, planned on a pipeline that an
             # earlier plan had been applied to and removed from, stood 1.1-1.4x worse against its
@@ -189,7 +208,9 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
             cpu_pipe.set_progress_bar_config(disable=True)
             # Planned, by hand, planned again (ABA): the planned step is the better of its two runs,
             # so that a drift in the host's speed does not read as the plan's cost.
-            chosen, phases, step, images, pools = planned_run(cpu_pipe, size, budget)
+            withheld = without_group_offload() if fp8 else contextlib.nullcontext()
+            with withheld:
+                chosen, phases, step, images, pools = planned_run(cpu_pipe, size, budget, allow_fp8=fp8)
             hand_step = None
             if sdpatch.planner.weight_levers(chosen.levers):
                 hand = copy.deepcopy(cpu_pipe)
@@ -203,7 +224,8 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
                 _, hand_step, _ = timed(hand, size)
                 del hand
                 release()
-                step = min(step, planned_run(cpu_pipe, size, budget)[2])
+                with withheld:
+                    step = min(step, planned_run(cpu_pipe, size, budget, allow_fp8=fp8)[2])
             streamed_psnr = None
             if chosen.levers.vae_stream:
                 streamed_psnr = image_difference(images, unstreamed_images(cpu_pipe, size, chosen.levers))[1]
@@ -214,10 +236,10 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
                 est_allocated=max(p.allocated for p in chosen.estimate.phases), allocated=max(p.peak_allocated for p in phases),
                 phases=[(p.name, p.peak_allocated, p.peak_reserved) for p in phases],
                 est_phases=[(p.name, p.allocated, p.reserved) for p in chosen.estimate.phases],
-                stream_reserved=pools,
+                stream_reserved=pools, images=images,
                 step=step, hand_step=hand_step, step_factor=chosen.cost.step_factor, step_seconds=chosen.cost.step_seconds,
             ))
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "images"}), flush=True)
             del cpu_pipe
             release()
         gpu_pipe = build_preset(name, device="cuda", dtype=torch.float16)
@@ -225,27 +247,30 @@ def small_cards(models: list[str], sizes: list[int] | None = None) -> list[dict]
         gpu_pipe.set_progress_bar_config(disable=True)
         for row in rows[-len(cases):]:
             try:
-                base, row["unplanned_step"], _ = timed(gpu_pipe, row["size"])
+                base, row["unplanned_step"], unplanned_images = timed(gpu_pipe, row["size"])
                 row["unplanned_reserved"] = max(p.peak_reserved for p in base)
+                row["psnr_vs_unplanned_db"] = image_difference(row["images"], unplanned_images)[1]
                 # the plan's cost model (sdpatch.planner.PlanCost.step) from the unplanned step
                 row["predicted_step"] = row["unplanned_step"] * row["step_factor"] + row["step_seconds"]
             except torch.OutOfMemoryError:
-                row["unplanned_step"] = row["unplanned_reserved"] = row["predicted_step"] = None
+                row["unplanned_step"] = row["unplanned_reserved"] = row["predicted_step"] = row["psnr_vs_unplanned_db"] = None
+            del row["images"]
             release()
         del gpu_pipe
         release()
     print(f"\nissue 29 targets ({SMALL_STEPS} steps after a warm-up run; peaks over the whole run):")
-    print("| model | size | budget | levers | exact | streamed decode PSNR | est / measured reserved GiB | err | met | "
-          "est / measured allocated GiB | s/step (predicted) | vs unplanned | vs by hand |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | size | budget | levers | exact | streamed decode PSNR | PSNR vs unplanned | est / measured reserved GiB | "
+          "err | met | est / measured allocated GiB | s/step (predicted) | vs unplanned | vs by hand |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['step'] / r['unplanned_step']:.2f}x" if r["unplanned_step"] else "unplanned OOM"
         predicted = f" ({r['predicted_step']:.3f})" if r["predicted_step"] else ""
         hand = f"{r['step'] / r['hand_step']:.2f}x" if r["hand_step"] else "–"
         met = "yes" if r["reserved"] <= r["budget_gib"] * GIB else "NO"
         psnr = "–" if r["streamed_psnr_db"] is None else f"{r['streamed_psnr_db']:.1f} dB"
+        vs_unplanned = "–" if r.get("psnr_vs_unplanned_db") is None else f"{r['psnr_vs_unplanned_db']:.1f} dB"
         print(f"| {r['model']} | {r['size']}² | {r['budget_gib']:g} GiB | {'; '.join(r['levers']) or '–'} | "
-              f"{'yes' if r['exact'] else 'no'} | {psnr} | "
+              f"{'yes' if r['exact'] else 'no'} | {psnr} | {vs_unplanned} | "
               f"{r['est_reserved'] / GIB:.2f} / {r['reserved'] / GIB:.2f} | {r['est_reserved'] / r['reserved'] - 1:+.1%} | "
               f"{met} | {r['est_allocated'] / GIB:.2f} / {r['allocated'] / GIB:.2f} | {r['step']:.3f}{predicted} | {ratio} | {hand} |")
     print("\nper phase, estimated / measured allocated, reserved GiB:")
@@ -266,9 +291,10 @@ def main() -> None:
     ap.add_argument("--models", default="sd15,sdxl", help="comma-separated presets (default: sd15,sdxl)")
     ap.add_argument("--small-cards", action="store_true", help="only issue 29's small-card targets (several minutes per model)")
     ap.add_argument("--sizes", help="comma-separated sizes: only those small-card targets")
+    ap.add_argument("--fp8", action="store_true", help="with --small-cards: the fp8-storage case (FP8_CARD) instead")
     args = ap.parse_args()
     if args.small_cards:
-        rows = small_cards(args.models.split(","), [int(x) for x in args.sizes.split(",")] if args.sizes else None)
+        rows = small_cards(args.models.split(","), [int(x) for x in args.sizes.split(",")] if args.sizes else None, args.fp8)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"env": environment(), "small_cards": rows}, f, indent=1)

@@ -94,7 +94,12 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
     train) $t python3 "$REPO/scripts/bench_train_step.py" ${TRAIN_ARGS:-} --json "$W/bench_train.json" > "$W/bench_train.log" 2>&1 || rc=$? ;;
     planner)  # the --vram-budget estimator, with and without expandable segments, and the planned compare column;
       # planner=small: issue 29's small-card targets alone; planner=small:MODELS[:SIZES] those presets' (and
-      # sizes') only, e.g. "planner=small:sdxl" "planner=small:sd15" as two lanes on two GPUs
+      # sizes') only, e.g. "planner=small:sdxl" "planner=small:sd15" as two lanes on two GPUs; planner=fp8 the fp8 case
+      if [ "$only" = fp8 ]; then  # planner=fp8: the fp8-storage case (check_planner.py --fp8)
+        $t python3 "$REPO/scripts/check_planner.py" --small-cards --fp8 --models sdxl --json "$W/check_planner_fp8.json" \
+          > "$W/check_planner_fp8.log" 2>&1 || rc=$?
+        echo "=== $s: exit $rc $(date +%T)"; tail -n 25 "$W/check_planner_fp8.log"; collect; return $rc
+      fi
       if [ "${only%%:*}" = small ]; then
         local models= sizes= tag=; IFS=: read -r _ models sizes <<< "$only"; tag=${models:+_${models//,/_}}
         $t python3 "$REPO/scripts/check_planner.py" --small-cards ${models:+--models "$models"} ${sizes:+--sizes "$sizes"} \
