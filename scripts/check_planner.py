@@ -208,8 +208,8 @@ def small_cards(models: list[str], sizes: list[int] | None = None, fp8: bool = F
             cpu_pipe.set_progress_bar_config(disable=True)
             # Planned, by hand, planned again (ABA): the planned step is the better of its two runs,
             # so that a drift in the host's speed does not read as the plan's cost.
-            withheld = without_group_offload() if fp8 else contextlib.nullcontext()
-            with withheld:
+            withheld = without_group_offload if fp8 else contextlib.nullcontext
+            with withheld():
                 chosen, phases, step, images, pools = planned_run(cpu_pipe, size, budget, allow_fp8=fp8)
             hand_step = None
             if sdpatch.planner.weight_levers(chosen.levers):
@@ -224,7 +224,7 @@ def small_cards(models: list[str], sizes: list[int] | None = None, fp8: bool = F
                 _, hand_step, _ = timed(hand, size)
                 del hand
                 release()
-                with withheld:
+                with withheld():
                     step = min(step, planned_run(cpu_pipe, size, budget, allow_fp8=fp8)[2])
             streamed_psnr = None
             if chosen.levers.vae_stream:
