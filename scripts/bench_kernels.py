@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels import flash_bwd
+from sdpatch.kernels import flash_bwd, flash_bwd_hopper
 from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.flash_fwd import kv_tma_ok, tuned_config
 from sdpatch.kernels import forward
@@ -97,6 +97,7 @@ class Row:
     paired: dict = field(default_factory=dict)  # impl -> sdpatch's speed over it per round: median, quartiles
     rounds_ms: dict = field(default_factory=dict)  # impl -> its ms per call in each paired round
     fa4_rel_err: float | None = None  # FA4's output (forward) or dQ (backward) against float64, as rel_err
+    grad_errs: dict = field(default_factory=dict)  # backward: "dk", "dv" of one head, each path, against float64
 
 
 def naive(q, k, v, scale):
@@ -131,6 +132,34 @@ def measure_graph(row: Row, impl: str, fn, flops: float) -> None:
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row.graph_tflops[impl] = None
         print(f"  {row.case.name}: {impl} not capturable: {str(e).splitlines()[0][:100]}")
+
+
+class triton_two_pass:
+    """Within: the backward's dK and dV from the Triton kernel, not the Gluon one (new plans)."""
+
+    def __enter__(self):
+        self.enabled, flash_bwd_hopper.ENABLED = flash_bwd_hopper.ENABLED, False
+        flash_bwd._bwd_plans.clear()
+
+    def __exit__(self, *exc):
+        flash_bwd_hopper.ENABLED = self.enabled
+        flash_bwd._bwd_plans.clear()
+
+
+def head_grads_ref(q, k, v, do) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """dK and dV of batch 0, head 0 in float64 (every query: a key's gradient sums over them), or
+    None where its scores would pass 2**28 entries."""
+    if q.shape[2] * k.shape[2] > 2**28:
+        return None
+    q64, k64, v64 = (t[:1, :1].detach().double().requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad(attention_ref(q64, k64, v64), (k64, v64), do[:1, :1].double())
+
+
+def grad_errs(grads: tuple, ref) -> dict:
+    """dK's and dV's relative errors in batch 0, head 0, against :func:`head_grads_ref`'s."""
+    if ref is None:
+        return {}
+    return {name: rel_err(g[:1, :1], r) for name, g, r in zip(("dk", "dv"), grads[1:], ref)}
 
 
 def sdpa_backward(name: str, q, k, v, do, scale: float):
@@ -331,6 +360,12 @@ def run_case(c: Case, rounds: int) -> Row:
         qd, kd, vd = (t.detach() for t in (q, k, v))
         out_f, lse = flash_attn_fwd(qd, kd, vd, scale, return_lse=True)
         measure_graph(row, "sdpatch", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
+        ref_kv = head_grads_ref(qd, kd, vd, do)
+        row.grad_errs["sdpatch"] = grad_errs(flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), ref_kv)
+        if flash_bwd_hopper.serves(qd, kd, vd, do, None):  # SDPATCH_GLUON_BWD=1: the Triton kernels' two passes beside
+            with triton_two_pass():
+                measure_graph(row, "two pass", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
+                row.grad_errs["two pass"] = grad_errs(flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), ref_kv)
         for name in ("cudnn", "flash"):
             if graphs[name] is None:
                 continue
@@ -391,7 +426,7 @@ def err_cell(x: float | None) -> str:
 
 def table(rows: list[Row]) -> str:
     impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive", "fa4"]
-    graphed = ("sdpatch", "kv_tma", "cudnn", "flash", "fa4")
+    graphed = ("sdpatch", "two pass", "kv_tma", "cudnn", "flash", "fa4")
     head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | ×fa4 | graph: " + " / ".join(graphed)
             + " | graph ×fa4 | rel err (sdpatch / fa4) | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
     lines = [head, "|" + "---|" * (len(impls) + 11)]
@@ -434,6 +469,9 @@ def main() -> None:
     print(env)
     print("TFLOP/s (forward 4·B·H·Nq·Nk·D; backward ×2.5)")
     print(table(rows))
+    for r in rows:
+        if r.grad_errs:
+            print(f"{r.case.name}: dK, dV rel err against float64 (batch 0, head 0): {r.grad_errs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": [asdict(r) for r in rows]}, f, indent=1)

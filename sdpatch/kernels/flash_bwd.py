@@ -49,6 +49,7 @@ from .runtime import (
     tune_key,
     vector_align,
 )
+from . import flash_bwd_hopper as hopper
 from .shared import LOG2E, SERVES, batch_head, in_range, kernel_meta, mask_kind, masked_scores, plan_key, tiling
 from .flash_fwd_hopper import sm_count
 
@@ -416,6 +417,8 @@ class _BwdPlan:
     binaries: dict = field(default_factory=dict)  # (kernel, tiles) -> compiled kernel (see :func:`launch`)
     tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
     sums: tuple | None = None  # the partial-sum kernel's (grid, scalars, constexprs), with query splits
+    hopper: bool = False  # dK and dV from the Gluon kernel (:mod:`.flash_bwd_hopper`), dQ from the Triton one
+    scale: float = 0.0
 
 
 # Like the forward's launch plans: a training step repeats a few dozen layouts, and the host work
@@ -432,7 +435,8 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, out, *grads)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk, backward=True)
-    splits = default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
+    on_hopper = hopper.serves(q, k, v, do, mask) and query_splits is None and not split_head_dim
+    splits = 1 if on_hopper else default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
     # (dK/dV, dQ) tiles known before any call where the interpreter fixes them (it cannot autotune)
@@ -441,8 +445,9 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
         configs = (_INTERPRET_CONFIG, _INTERPRET_CONFIG)
     else:
         configs = shipped_config("bwd", q.device, bwd_tune_key(Nq, Nk, q.dtype, meta))
-        configs = tuple(configs) if configs else None
-    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs)
+        # A table made where the Gluon kernel took dK and dV has no dK/dV tiles (None).
+        configs = tuple(configs) if configs and (on_hopper or configs[0]) else None
+    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs, hopper=on_hopper, scale=scale)
 
 
 def bwd_tune_key(n_q: int, n_k: int, dtype: torch.dtype, meta: dict) -> str:
@@ -516,6 +521,7 @@ def flash_attn_bwd(
         tuned = (
             (launch_grid(Nq, BH, dq_config["BLOCK_M"]), dq_scalars,
              {**plan.meta, "EVEN_N": Nk % dq_config["BLOCK_N"] == 0, **dq_config}, ("dq", *dq_config.items())),
+            None if plan.hopper else
             (dkdv_grid(Nk, BH, splits, dkdv_config["BLOCK_N"]), dkdv_scalars,
              {**plan.meta, "EVEN_M": Nq % dkdv_config["BLOCK_M"] == 0, **dkdv_config}, ("dkdv", *dkdv_config.items())),
         )
@@ -539,11 +545,15 @@ def flash_attn_bwd(
                (q, k, v, mask, do, out, dq, lse, delta, *dq_scalars), {**plan.meta, "EVEN_N": Nk % 128 == 0})
     dkdv_call = (dkdv_tuner, lambda META: dkdv_grid(Nk, BH, splits, META["BLOCK_N"]),
                  (q, k, v, mask, do, dk_out, dv_out, lse, delta, *dkdv_scalars), {**plan.meta, "EVEN_M": Nq % 128 == 0})
+    calls = (dq_call,) if plan.hopper else (dq_call, dkdv_call)
     with on_device(q):
-        precompile(dq_call, dkdv_call)
-        for tuner, grid, args, meta in (dq_call, dkdv_call):
+        precompile(*calls)
+        for tuner, grid, args, meta in calls:
             tuner[grid](*args, **meta)
-        plan.configs = (config_kwargs(dkdv_tuner.best_config), config_kwargs(dq_tuner.best_config))
+        plan.configs = (None if plan.hopper else config_kwargs(dkdv_tuner.best_config), config_kwargs(dq_tuner.best_config))
+        if plan.hopper:
+            if not _launch_hopper(plan, q, k, v, do, dk, dv, lse, delta):
+                return flash_attn_bwd(do, q, k, v, out, lse, scale, mask, None, split_head_dim, query_splits)
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
 
@@ -572,7 +582,7 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
     kernel either way: the training step's peaks stayed the same to the MiB. Per call, the gain was
     within the lent hosts' drift.
     """
-    (grid, scalars, consts, key), (kv_grid, kv_scalars, kv_consts, kv_key) = tuned
+    (grid, scalars, consts, key), dkdv = tuned
     dq, dk, dv, delta, dk_out, dv_out = buffers or (torch.empty_like(q), None, None, _delta(q), None, None)
     with on_device(q):
         # The kernels take the mask's base pointer; its (broadcast) strides are in the scalars.
@@ -580,10 +590,30 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
         if dk is None:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
             dk_out, dv_out = _dkdv_targets(dk, dv, plan.splits)
+        if plan.hopper:
+            if not _launch_hopper(plan, q, k, v, do, dk, dv, lse, delta):
+                return flash_attn_bwd(do, q, k, v, out, lse, plan.scale, mask)
+            return dq, dk, dv
+        kv_grid, kv_scalars, kv_consts, kv_key = dkdv
         launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
                plan.binaries, kv_key)
         _sum_splits(plan, dk_out, dv_out, dk, dv)
     return dq, dk, dv
+
+
+def _launch_hopper(plan: _BwdPlan, q, k, v, do, dk, dv, lse, delta) -> bool:
+    """dK and dV on the Gluon kernel, after the dQ kernel has written delta. False where its launch
+    failed (a Gluon API this triton lacks, say): the Triton kernels serve every call from then on,
+    and the caller starts this call over on them."""
+    bound = "gluon" in plan.binaries  # compiled at this layout: its binary takes bound descriptors
+    try:
+        kernel, grid, args, consts = hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, plan.scale, bound=bound)
+        launch(kernel, grid, args, consts, plan.binaries, "gluon")
+    except Exception as e:  # noqa: BLE001 (any failure of an optional kernel turns it off)
+        hopper.disable(e)
+        _bwd_plans.clear()
+        return False
+    return True
 
 
 def _sum_splits(plan: _BwdPlan, dk_out, dv_out, dk, dv) -> None:

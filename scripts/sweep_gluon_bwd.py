@@ -1,0 +1,149 @@
+"""The Gluon Hopper dK/dV kernel (``sdpatch/kernels/flash_bwd_hopper.py``) at the backward's SD shapes:
+each candidate tile config's kernel time and its dK, dV against float64, beside the whole backward
+on the Triton kernels' two passes, on the Gluon dK/dV path, and cuDNN's, in one run.
+
+    python scripts/sweep_gluon_bwd.py --json sweep_gluon_bwd.json [--only hd64]
+
+Kernel time by CUDA-graph replay; TFLOP/s count the backward's 2.5x the forward's 4·B·H·N²·D, the
+dK/dV kernel's share of it 4/7 (four of the two passes' seven products). Inputs are laid out as
+diffusers' processors pass them: (B, N, H, D) memory viewed as (B, H, N, D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from sdpatch.attention.naive import attention_ref
+from sdpatch.kernels import flash_bwd, flash_bwd_hopper
+from sdpatch.kernels.flash_bwd import flash_attn_bwd
+from sdpatch.kernels.forward import flash_attn_fwd
+from sdpatch.kernels.runtime import on_device
+
+from _bench import environment, rel_err
+
+CASES = [("hd40 4096", 2, 8, 4096, 40), ("hd40 16384", 2, 8, 16384, 40), ("hd64 4096", 2, 10, 4096, 64),
+         ("hd80 4096", 2, 8, 4096, 80), ("hd64 1024", 2, 20, 1024, 64), ("hd128 4096", 2, 8, 4096, 128)]
+# (BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PIPELINE) (flash_bwd_hopper.config_for). On 2026-12-06 (H100)
+# 128-query steps and three consumers, which spill, ran at 0.55-0.85x two consumers of 64 x 64.
+CANDIDATES = [(64, 64, 2, 2, False), (64, 64, 2, 2, True), (64, 64, 3, 2, True)]
+# The dQ kernel's (BLOCK_M queries a consumer owns, BLOCK_N keys a step, STAGES, CONSUMERS).
+DQ_CANDIDATES = [(64, 64, 2, 2), (64, 128, 2, 2), (64, 64, 3, 2), (64, 128, 3, 2)]
+
+
+def head_ref(q, k, v, do):
+    """dQ, dK and dV of batch 0, head 0, in float64."""
+    q64, k64, v64 = (t[:1, :1].double().requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad(attention_ref(q64, k64, v64), (q64, k64, v64), do[:1, :1].double())
+
+
+def tflops(flops: float, fn) -> float:
+    fn()
+    return flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
+
+
+def run_case(name, B, H, N, D) -> dict:
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(4))
+    scale = 1 / math.sqrt(D)
+    flops = 2.5 * 4 * B * H * N * N * D
+    out, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
+    delta = (do.float() * out.float()).sum(-1)
+    ref = head_ref(q, k, v, do) if N * N <= 2**28 else None
+    row = {"case": name, "shape": [B, H, N, D], "configs": {}}
+
+    def errs(dk, dv):
+        return None if ref is None else {"dk": rel_err(dk[:1, :1], ref[1]), "dv": rel_err(dv[:1, :1], ref[2])}
+
+    for cfg in DQ_CANDIDATES:
+        dq, dl = torch.empty_like(q), torch.empty_like(delta)
+        kernel, grid, args, consts = flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale, cfg)
+
+        def dq_only(kernel=kernel, grid=grid, args=args, consts=consts):
+            with on_device(q):
+                kernel[grid](*args, **consts)
+        try:
+            t = tflops(flops * 3 / 7, dq_only)
+            row["configs"]["dq " + str(cfg)] = {"dq_tflops": t, "delta_err": rel_err(dl, delta),
+                                               "err": None if ref is None else {"dq": rel_err(dq[:1, :1], ref[0])}}
+        except Exception as e:  # noqa: BLE001
+            row["configs"]["dq " + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(name, "dq", cfg, row["configs"]["dq " + str(cfg)], flush=True)
+
+    for cfg in CANDIDATES:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        kernel, grid, args, consts = flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale, cfg)
+
+        def dkdv(kernel=kernel, grid=grid, args=args, consts=consts):
+            with on_device(q):
+                kernel[grid](*args, **consts)
+        try:
+            t = tflops(flops * 4 / 7, dkdv)
+            row["configs"][str(cfg)] = {"dkdv_tflops": t, "err": errs(dk, dv)}
+        except Exception as e:  # noqa: BLE001 (a config that does not build is a result)
+            row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(name, cfg, row["configs"][str(cfg)], flush=True)
+
+    dq, dk, dv, dl = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(delta)
+    both = [flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
+            flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)]
+
+    def all_gluon():
+        with on_device(q):
+            for kernel, grid, args, consts in both:
+                kernel[grid](*args, **consts)
+    row["all_gluon"] = tflops(flops, all_gluon)
+    row["all_gluon_err"] = None if ref is None else {"dq": rel_err(dq[:1, :1], ref[0]), **errs(dk, dv)}
+    flash_bwd_hopper.ENABLED = True
+    flash_bwd._bwd_plans.clear()
+    row["gluon_path"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
+    g = flash_attn_bwd(do, q, k, v, out, lse, scale)
+    row["gluon_path_err"] = errs(g[1], g[2])
+    row["gluon_path_served"] = flash_bwd_hopper.serves(q, k, v, do, None)
+    flash_bwd_hopper.ENABLED = False
+    flash_bwd._bwd_plans.clear()
+    row["two_pass"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
+    t = flash_attn_bwd(do, q, k, v, out, lse, scale)
+    row["two_pass_err"] = None if ref is None else {"dq": rel_err(t[0][:1, :1], ref[0]), **errs(t[1], t[2])}
+    row["ref_norms"] = None if ref is None else [r.norm().item() for r in ref]
+    row["gluon_vs_two_pass"] = {n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), t)}
+    flash_bwd_hopper.ENABLED = True
+    flash_bwd._bwd_plans.clear()
+    aten = torch.ops.aten
+    qc, kc, vc = (t.contiguous() for t in (q, k, v))
+    o, lse_c, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(qc, kc, vc, None, True, scale=scale)
+    doc = do.contiguous()
+    row["cudnn"] = tflops(flops, lambda: aten._scaled_dot_product_cudnn_attention_backward(
+        doc, qc, kc, vc, o, lse_c, seed, offset, None, cq, ck, mq, mk, 0.0, False, scale=scale))
+    print(name, {k: v for k, v in row.items() if k != "configs"}, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--only", help="case names' substrings, comma-separated")
+    args = ap.parse_args()
+    rows = []
+    for case in CASES:
+        if args.only and not any(s in case[0] for s in args.only.split(",")):
+            continue
+        rows.append(run_case(*case))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    print("| case | two pass | Gluon dK/dV path | both Gluon | cuDNN | " + " | ".join(f"dK/dV {c}" for c in CANDIDATES)
+          + " | " + " | ".join(f"dQ {c}" for c in DQ_CANDIDATES) + " |")
+    for r in rows:
+        cells = [f"{r['configs'][str(c)].get('dkdv_tflops', 0):.0f}" for c in CANDIDATES]
+        cells += [f"{r['configs']['dq ' + str(c)].get('dq_tflops', 0):.0f}" for c in DQ_CANDIDATES]
+        print(f"| {r['case']} | {r['two_pass']:.0f} | {r['gluon_path']:.0f} | {r['all_gluon']:.0f} | {r['cudnn']:.0f} | "
+              + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
