@@ -24,7 +24,8 @@ import os
 import torch
 import triton
 
-from .flash_fwd_hopper import BoundDescriptor, TensorDescriptor, _is_sm90, _shared_layout, gluon, layout_ok
+from . import flash_fwd_hopper as fwd_hopper
+from .flash_fwd_hopper import BoundDescriptor, _is_sm90, _shared_layout, gluon, layout_ok
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -388,7 +389,7 @@ if gluon is not None:
 def _descriptor(t: torch.Tensor, rows: int, width: int, bound: bool):
     if bound:
         return BoundDescriptor(t, list(t.shape), list(t.stride()))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _shared_layout(rows, width, t.dtype))
+    return fwd_hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _shared_layout(rows, width, t.dtype))
 
 
 def dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale: float, config: tuple[int, int, int, int] | None = None,
