@@ -36,9 +36,27 @@ DQ_CANDIDATES = [(64, 64, 2, 2), (64, 128, 2, 2), (64, 64, 3, 2), (64, 128, 3, 2
 
 
 def head_ref(q, k, v, do):
-    """dQ, dK and dV of batch 0, head 0, in float64."""
-    q64, k64, v64 = (t[:1, :1].double().requires_grad_() for t in (q, k, v))
-    return torch.autograd.grad(attention_ref(q64, k64, v64), (q64, k64, v64), do[:1, :1].double())
+    """dQ, dK and dV of batch 0, head 0, in float64 on the CPU, out of reach of any stray GPU write."""
+    q64, k64, v64 = (t[:1, :1].cpu().double().requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad(attention_ref(q64, k64, v64), (q64, k64, v64), do[:1, :1].cpu().double())
+
+
+GUARD = 1 << 16  # elements of canary on each side of a guarded output
+CANARY = 1234.0  # exact in fp16 and fp32, and no gradient here comes near it
+
+
+def guarded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialized tensor laid out as ``t`` (same strides), inside a buffer whose GUARD
+    elements before and after it hold CANARY; the buffer, for :func:`strays`."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    buf = torch.full((span + 2 * GUARD,), CANARY, device=t.device, dtype=t.dtype)
+    buf[GUARD:GUARD + span] = float("nan")  # what the kernel must overwrite: poison, not zeros
+    return buf.as_strided(t.shape, t.stride(), GUARD), buf
+
+
+def strays(buf: torch.Tensor) -> int:
+    """Canary elements a kernel overwrote: writes out of its output's bounds."""
+    return int((buf[:GUARD] != CANARY).sum() + (buf[-GUARD:] != CANARY).sum())
 
 
 def tflops(flops: float, fn) -> float:
@@ -52,15 +70,31 @@ def run_case(name, B, H, N, D) -> dict:
     scale = 1 / math.sqrt(D)
     flops = 2.5 * 4 * B * H * N * N * D
     out, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
-    delta = (do.float() * out.float()).sum(-1)
+    # The kernels read delta and lse as contiguous (B, H, N): a product of (B, N, H, D) views sums
+    # into another layout, so make it explicit (and record what the layouts were).
+    raw_delta = (do.float() * out.float()).sum(-1)
+    delta = raw_delta.contiguous()
     ref = head_ref(q, k, v, do) if N * N <= 2**28 else None
-    row = {"case": name, "shape": [B, H, N, D], "configs": {}}
+    row = {"case": name, "shape": [B, H, N, D], "configs": {},
+           "strides": {"q": q.stride(), "out": out.stride(), "lse": lse.stride(), "raw_delta": raw_delta.stride()}}
+    if ref is not None:
+        row["ref_norms"] = [r.norm().item() for r in ref]
+        row["ref_finite"] = [bool(r.isfinite().all()) for r in ref]
 
-    def errs(dk, dv):
-        return None if ref is None else {"dk": rel_err(dk[:1, :1], ref[1]), "dv": rel_err(dv[:1, :1], ref[2])}
+    def head(t):
+        return t[:1, :1].cpu()
+
+    def check(names, outs, bufs=None) -> dict:
+        """Each output's error against float64 (batch 0, head 0), NaNs left anywhere (elements
+        never written) and canaries overwritten (writes out of bounds)."""
+        res = {}
+        for i, (n, t) in enumerate(zip(names, outs)):
+            res[n] = {"err": None if ref is None else rel_err(head(t), ref["qkv".index(n[1])]),
+                      "nan": int(t.isnan().sum()), "strays": None if bufs is None else strays(bufs[i])}
+        return res
 
     for cfg in DQ_CANDIDATES:
-        dq, dl = torch.empty_like(q), torch.empty_like(delta)
+        (dq, bq), dl = guarded(q), torch.empty_like(delta)
         kernel, grid, args, consts = flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale, cfg)
 
         def dq_only(kernel=kernel, grid=grid, args=args, consts=consts):
@@ -68,14 +102,13 @@ def run_case(name, B, H, N, D) -> dict:
                 kernel[grid](*args, **consts)
         try:
             t = tflops(flops * 3 / 7, dq_only)
-            row["configs"]["dq " + str(cfg)] = {"dq_tflops": t, "delta_err": rel_err(dl, delta),
-                                               "err": None if ref is None else {"dq": rel_err(dq[:1, :1], ref[0])}}
+            row["configs"]["dq " + str(cfg)] = {"dq_tflops": t, "delta_err": rel_err(dl, delta), **check(["dq"], [dq], [bq])}
         except Exception as e:  # noqa: BLE001
             row["configs"]["dq " + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(name, "dq", cfg, row["configs"]["dq " + str(cfg)], flush=True)
 
     for cfg in CANDIDATES:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        (dk, bk), (dv, bv) = guarded(k), guarded(v)
         kernel, grid, args, consts = flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale, cfg)
 
         def dkdv(kernel=kernel, grid=grid, args=args, consts=consts):
@@ -83,12 +116,12 @@ def run_case(name, B, H, N, D) -> dict:
                 kernel[grid](*args, **consts)
         try:
             t = tflops(flops * 4 / 7, dkdv)
-            row["configs"][str(cfg)] = {"dkdv_tflops": t, "err": errs(dk, dv)}
+            row["configs"][str(cfg)] = {"dkdv_tflops": t, **check(["dk", "dv"], [dk, dv], [bk, bv])}
         except Exception as e:  # noqa: BLE001 (a config that does not build is a result)
             row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(name, cfg, row["configs"][str(cfg)], flush=True)
 
-    dq, dk, dv, dl = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(delta)
+    (dq, bq), (dk, bk), (dv, bv), dl = guarded(q), guarded(k), guarded(v), torch.empty_like(delta)
     both = [flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
             flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)]
 
@@ -97,19 +130,18 @@ def run_case(name, B, H, N, D) -> dict:
             for kernel, grid, args, consts in both:
                 kernel[grid](*args, **consts)
     row["all_gluon"] = tflops(flops, all_gluon)
-    row["all_gluon_err"] = None if ref is None else {"dq": rel_err(dq[:1, :1], ref[0]), **errs(dk, dv)}
+    row["all_gluon_check"] = check(["dq", "dk", "dv"], [dq, dk, dv], [bq, bk, bv])
     flash_bwd_hopper.ENABLED = True
     flash_bwd._bwd_plans.clear()
     row["gluon_path"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
     g = flash_attn_bwd(do, q, k, v, out, lse, scale)
-    row["gluon_path_err"] = errs(g[1], g[2])
+    row["gluon_path_check"] = check(["dq", "dk", "dv"], g)
     row["gluon_path_served"] = flash_bwd_hopper.serves(q, k, v, do, None)
     flash_bwd_hopper.ENABLED = False
     flash_bwd._bwd_plans.clear()
     row["two_pass"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
     t = flash_attn_bwd(do, q, k, v, out, lse, scale)
-    row["two_pass_err"] = None if ref is None else {"dq": rel_err(t[0][:1, :1], ref[0]), **errs(t[1], t[2])}
-    row["ref_norms"] = None if ref is None else [r.norm().item() for r in ref]
+    row["two_pass_check"] = check(["dq", "dk", "dv"], t)
     row["gluon_vs_two_pass"] = {n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), t)}
     flash_bwd_hopper.ENABLED = True
     flash_bwd._bwd_plans.clear()

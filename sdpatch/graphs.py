@@ -47,6 +47,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -371,7 +372,7 @@ def stand_in_calls() -> int:
 # serves, and traces, are left to the runner and the trace. Only inference calls stand aside
 # (:func:`sdpatch.kernels.runtime.stands_aside`): a training call needs its kernel's log-sum-exp, and
 # compiles as it comes.
-_eager = threading.local()  # .open: per hooked call in progress, whether it entered background mode
+_eager = threading.local()  # .open: per hooked call in progress, (a weak reference to its module, whether it entered background mode)
 
 
 def compile_eagerly_in_background(module: torch.nn.Module) -> None:
@@ -397,16 +398,24 @@ def _eager_begin(module: torch.nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
     runtime = _triton() if runner_of(module) is None else None
-    if not hasattr(_eager, "open"):
-        _eager.open = []
-    _eager.open.append(runtime is not None and runtime.background_on())
+    stack = _eager.__dict__.setdefault("open", [])
+    # A model does not call itself: an entry of its own still open, or of a model since deleted, is
+    # a call that an interrupt cut short (KeyboardInterrupt passes by the always_call hook), which
+    # must not leave the mode on.
+    while any(m() is module or m() is None for m, _ in stack):
+        _close(stack.pop()[1])
+    stack.append((weakref.ref(module), runtime is not None and runtime.background_on()))
 
 
 def _eager_end(module: torch.nn.Module, args, output) -> None:
     """The forward hook (also when the call raised): out of background mode, the compiles started."""
     if torch.compiler.is_compiling() or not getattr(_eager, "open", None):
         return
-    if _eager.open.pop():
+    _close(_eager.open.pop()[1])
+
+
+def _close(entered: bool) -> None:
+    if entered:
         runtime = _triton()
         runtime.background_off()
         runtime.start_deferred()

@@ -5,6 +5,7 @@ Triton runs under TRITON_INTERPRET=1 (tests/conftest.py) on the CPU, so its shap
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import time
@@ -668,6 +669,105 @@ def test_a_layout_seen_before_launches_from_its_plan(monkeypatch):
     assert rel_err(out, attention_ref(q2, k2, v2, scale=0.3)) <= RTOL[torch.float16]
     s = (q2.double() @ k2.double().transpose(-1, -2)) * 0.3
     assert torch.allclose(lse.double(), torch.logsumexp(s, -1) * LOG2E, atol=1e-3)
+
+
+@pytest.fixture
+def fresh_faults(monkeypatch):
+    """No remembered failure, choice or repeat signature from earlier tests; CPU calls cached as CUDA
+    ones are (the interpreter stands in for the GPU)."""
+    from sdpatch.attention import faults
+
+    for name, empty in (("_failures", {}), ("_warned", set()), ("choices", {}), ("repeats", {})):
+        monkeypatch.setattr(faults, name, empty)
+    monkeypatch.setattr(faults, "cached", lambda q: True)
+    return faults
+
+
+def _spy(monkeypatch, module, name) -> list:
+    """Count the calls of ``module.name``, which still runs."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_a_repeat_call_skips_validation_the_choice_and_the_plan(fresh_faults, monkeypatch):
+    """An eager call of a signature served before goes straight to the launch that served it: new
+    data, the answers a first call gives, and none of the checks worked out again."""
+    from sdpatch.attention import dispatch
+    from sdpatch.kernels import flash_fwd
+
+    q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
+    attention(q, k, v, backend="triton")
+    assert len(fresh_faults.repeats) == 1
+    for module, name in ((dispatch, "_validate"), (dispatch, "choose_backend"), (flash_fwd, "plan_key")):
+        monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("worked out again"))
+    q2, k2, v2 = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=12)
+    out = attention(q2, k2, v2, backend="triton")
+    assert out.stride() == q2.stride() and rel_err(out, attention_ref(q2, k2, v2)) <= RTOL[torch.float16]
+
+
+def _other_alignment(q, k, v):
+    base = torch.randn(*q.shape[:3], q.shape[3] + 8, dtype=q.dtype)
+    return base[..., 3:3 + q.shape[3]], k, v  # same shape and strides, rows 6 bytes off
+
+
+REPEAT_MISSES = [
+    pytest.param(lambda q, k, v: (q.requires_grad_(), k, v), {}, id="needs-grad"),
+    pytest.param(lambda q, k, v: (q, k, v), {"attn_mask": torch.ones(37, 21, dtype=torch.bool)}, id="mask"),
+    pytest.param(lambda q, k, v: (q, k, v), {"scale": 0.2}, id="other-scale"),
+    pytest.param(lambda q, k, v: (q, k, v), {"backend": "auto"}, id="other-backend"),
+    pytest.param(lambda q, k, v: (q.contiguous(), k, v), {}, id="other-strides"),
+    pytest.param(_other_alignment, {}, id="other-alignment"),
+    pytest.param(lambda q, k, v: (q.float(), k.float(), v.float()), {}, id="other-dtype"),
+    pytest.param(lambda q, k, v: (q, k, v), {"capture": True}, id="in-for_capture"),
+]
+
+
+@pytest.mark.parametrize("change, kwargs", REPEAT_MISSES)
+def test_a_call_unlike_the_repeat_signature_takes_the_full_path(fresh_faults, monkeypatch, change, kwargs):
+    from sdpatch.attention import dispatch
+    from sdpatch.kernels import forward
+
+    q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
+    attention(q, k, v, backend="triton")
+    validated = _spy(monkeypatch, dispatch, "_validate")
+    q2, k2, v2 = change(*make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=12))
+    kwargs = {"backend": "triton", **kwargs}
+    with forward.for_capture() if kwargs.pop("capture", False) else contextlib.nullcontext():
+        out = attention(q2, k2, v2, **kwargs)
+    assert validated == [1]
+    ref = attention_ref(q2, k2, v2, scale=kwargs.get("scale"), attn_mask=kwargs.get("attn_mask"))
+    assert rel_err(out, ref) <= RTOL[q2.dtype]
+
+
+def test_a_kernel_that_fails_on_a_repeat_call_is_remembered_and_its_repeats_forgotten(fresh_faults, monkeypatch):
+    from sdpatch.kernels import flash_fwd
+
+    q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
+    attention(q, k, v, backend="triton")
+    monkeypatch.setattr(flash_fwd, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel image")))
+    with pytest.raises(BackendUnavailableError, match="failed to compile or launch"):
+        attention(q, k, v, backend="triton")
+    assert fresh_faults.repeats == {}
+    with pytest.raises(BackendUnavailableError, match="failed here before"):
+        attention(q, k, v, backend="triton")
+
+
+def test_out_of_memory_on_a_repeat_call_is_retried_on_chunked(fresh_faults, monkeypatch):
+    from sdpatch.kernels import flash_fwd
+
+    q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
+    attention(q, k, v, backend="triton")
+    monkeypatch.setattr(flash_fwd, "launch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    events = []
+    out = attention(q, k, v, backend="triton", on_fallback=events.append)
+    assert rel_err(out, attention_ref(q, k, v)) <= RTOL[torch.float16]
+    assert [e.backend for e in events] == ["triton"] and len(fresh_faults.repeats) == 1
 
 
 class _Compiled:

@@ -238,6 +238,7 @@ def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_a
     is left alone."""
     fake = FakeRuntime()
     monkeypatch.setattr(graphs, "_triton", lambda: fake)
+    before = list(getattr(graphs._eager, "open", []))
     patch_unet(unet, backend="chunked")
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
@@ -249,12 +250,35 @@ def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_a
         runner, _ = fake_runner(unet)
         monkeypatch.setattr(graphs, "runner_of", lambda module: runner)
         unet(**kw)
-        assert len(fake.events) == 6
+        assert len(fake.events) == 6 and getattr(graphs._eager, "open", []) == before
         monkeypatch.undo()
         monkeypatch.setattr(graphs, "_triton", lambda: fake)
         unpatch_unet(unet)
         unet(**kw)
-    assert len(fake.events) == 6 and graphs._eager.open == []
+    assert len(fake.events) == 6 and getattr(graphs._eager, "open", []) == before
+
+
+def test_a_call_cut_short_by_an_interrupt_leaves_background_mode_at_the_next_call(unet, monkeypatch):
+    """Ctrl-C inside a patched model's call skips its always_call hook; the model's next call
+    closes what that one opened, so background mode does not stay on for good."""
+    fake = FakeRuntime()
+    monkeypatch.setattr(graphs, "_triton", lambda: fake)
+    monkeypatch.setattr(graphs._eager, "open", [], raising=False)
+    patch_unet(unet, backend="chunked")
+    kw = arch.unet_inputs(unet)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        with monkeypatch.context() as m:
+            m.setattr(unet.conv_in, "forward", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                unet(**kw)
+        assert fake.depth == 1 and len(graphs._eager.open) == 1
+        unet(**kw)
+    assert fake.events == ["on", "off", "start", "on", "off", "start"] and fake.depth == 0
+    assert graphs._eager.open == []
 
 
 # A patched SD 1.5-shaped UNet's eager call on the Triton backend, with its kernels compiled for sm_90

@@ -55,10 +55,12 @@ OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 @pytest.fixture(autouse=True)
 def fresh_fault_state(monkeypatch):
-    """Each test starts with no remembered Triton failure and no fault warned about yet."""
+    """Each test starts with no remembered Triton failure, no fault warned about yet, and no cached
+    choice or repeat signature."""
     monkeypatch.setattr(faults, "_failures", {})
     monkeypatch.setattr(faults, "_warned", set())
     monkeypatch.setattr(faults, "choices", {})
+    monkeypatch.setattr(faults, "repeats", {})
 
 
 @pytest.fixture

@@ -47,6 +47,10 @@ class Backend:
     needs_grad, chunk_budget, upcast)``: the (B, H, Nq, D) output. ``workspace(batch, heads, nq, nk,
     head_dim, elem, chunk_budget, upcast)``: bytes a call holds beyond its inputs and output, for
     the planner. ``status(device)``: (whether it can run on the device here, why), for ``sdpatch info``.
+    ``repeat(q, k, v, scale)``: after it served an unmasked call without gradients, a launcher
+    ``again(q, k, v) -> out`` for later calls of the same layout, skipping the checks and plans that
+    layout has passed, or None (see :data:`sdpatch.attention.faults.repeats`); ``again`` may return
+    None to send a call down the full path.
     """
 
     name: str
@@ -59,3 +63,4 @@ class Backend:
     auto_reason: Callable[[Call], str] = lambda call: "auto"
     path: Callable[..., str | None] = lambda q, k, v, mask: None
     falls_back: bool = False
+    repeat: Callable[..., Callable | None] = lambda q, k, v, scale: None

@@ -124,14 +124,23 @@ def attention(
 
     The first fault of each kind is logged as a warning, later ones at debug level.
     """
+    compiling = torch.compiler.is_compiling()
+    signature = None if attn_mask is not None or compiling else _repeat_signature(q, k, v, scale, backend)
+    if signature is not None:
+        repeat = faults.repeats.get(signature)
+        if repeat is not None:
+            out, _ = _served(repeat.backend, repeat.again, q, k, v, repeat.scale, None, backend, chunk_budget, upcast,
+                             on_fallback)
+            if out is not None:
+                return out
     mask, scale = _validate(q, k, v, attn_mask, scale)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if torch.compiler.is_compiling():  # chosen once, at trace time; no retries inside a graph
+    if compiling:  # chosen once, at trace time; no retries inside a graph
         if q.numel() == 0:
             return q * 0
         name = _traced_choice(q.device, q.dtype, q.shape[-1], backend)
         return REGISTRY[name].run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
-    key = (q.device, q.dtype, q.shape[-1], backend) if q.is_cuda else None
+    key = (q.device, q.dtype, q.shape[-1], backend) if faults.cached(q) else None
     choice = faults.choices.get(key) if key else None
     if choice is None:
         choice = choose_backend(device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=backend)
@@ -139,8 +148,38 @@ def attention(
             faults.choices[key] = choice
     if q.numel() == 0:  # B, H or Nq is 0: the result is well defined and empty
         return q * 0
+    record = REGISTRY[choice.name]
+    out, fell_back = _served(choice.name, lambda q, k, v: record.run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast),
+                             q, k, v, scale, mask, backend, chunk_budget, upcast, on_fallback)
+    if signature is not None and not fell_back:
+        again = record.repeat(q, k, v, scale)
+        if again is not None:
+            faults.remember_repeat(signature, faults.Repeat(choice.name, scale, again))
+    return out
+
+
+def _repeat_signature(q, k, v, scale, backend: str) -> tuple | None:
+    """What an eager call without a mask or gradients must share with an earlier one to be served
+    as it was, skipping validation and the backend's choice (:data:`faults.repeats`): every fact
+    :func:`_validate` and the launch layer read (shapes, strides, dtypes, devices, 16-byte
+    alignment) and the arguments. None for a call that needs gradients, or for arguments that are
+    not tensors (validation then says what is wrong), and where calls are not cached (:func:`faults.cached`)."""
     try:
-        return REGISTRY[choice.name].run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
+        if not faults.cached(q) or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        signature = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+                     q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, scale, backend)
+        hash(signature)
+    except (AttributeError, TypeError):
+        return None
+    return signature
+
+
+def _served(name: str, run, q, k, v, scale, mask, backend, chunk_budget, upcast, on_fallback) -> tuple:
+    """``run(q, k, v)`` on backend ``name``, with the fault policy's retries (see :func:`attention`):
+    (the output, or None where ``run`` declined the call; whether the chunked retry served it)."""
+    try:
+        return run(q, k, v), False
     except torch.cuda.OutOfMemoryError as err:  # torch.OutOfMemoryError from 2.5 on; the same class
         if faults.capturing(q):
             raise
@@ -149,26 +188,26 @@ def attention(
         faults.warn_once(
             "oom",
             "%s attention: %s; retrying on chunked with a %.1f MiB budget",
-            choice.name,
+            name,
             reason,
             budget / 2**20,
         )
     except Exception as err:  # noqa: BLE001 (whatever a kernel's launch raises: see the docstring)
-        if not REGISTRY[choice.name].falls_back or faults.capturing(q):
+        if not REGISTRY[name].falls_back or faults.capturing(q):
             raise
         # Triton's CompilationError starts with the source location; its error_message says what failed.
         reason = f"{type(err).__name__}: {getattr(err, 'error_message', None) or first_line(err)}"
-        faults.remember_failure(choice.name, q.device, q.dtype, q.shape[-1], reason)
+        faults.remember_failure(name, q.device, q.dtype, q.shape[-1], reason)
         budget = chunk_budget
-        if backend == choice.name:
+        if backend == name:
             raise BackendUnavailableError(
                 f"backend={backend!r} failed to compile or launch its kernel ({reason}); "
                 "backend='auto' would run such calls on chunked"
             ) from err
         faults.warn_once(
-            choice.name,
+            name,
             "the %s kernel failed on %s, %s, head dim %d (%s); such calls run on chunked from now on",
-            choice.name.capitalize(),
+            name.capitalize(),
             q.device,
             q.dtype,
             q.shape[-1],
@@ -178,8 +217,8 @@ def attention(
     # traceback) and their tensors are freed first.
     out, budget = _chunked_retry(q, k, v, scale, mask, budget, upcast)
     if on_fallback is not None:
-        on_fallback(Fallback(choice.name, reason, budget))
-    return out
+        on_fallback(Fallback(name, reason, budget))
+    return out, True
 
 
 def _traced_choice(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str) -> str:

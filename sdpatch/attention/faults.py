@@ -15,6 +15,7 @@ back thousands of times, and the patch report counts them per layer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,35 @@ choices: dict[tuple, object] = {}
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """How an eager call was served, for later calls of the same signature: the backend, the
+    validated scale, and its launcher ``again(q, k, v) -> out`` (None: take the full path)."""
+
+    backend: str
+    scale: float
+    again: Callable
+
+
+# Eager calls without a mask or gradients, by their exact signature (``dispatch._repeat_signature``):
+# how the last such call was served. Validating, choosing and planning again cost a short call's
+# host as much as its kernel (hd160 at 1024 tokens: 20 us on an H100). Cleared with ``choices``.
+repeats: dict[tuple, Repeat] = {}
+MAX_REPEATS = 4096  # a UNet repeats a few dozen signatures; past this the map starts over
+
+
+def cached(q: torch.Tensor) -> bool:
+    """Whether a call's choice and repeat signature are kept: CUDA calls, the host-bound ones. On the
+    CPU the Triton interpreter comes and goes with TRITON_INTERPRET, which a kept choice would miss."""
+    return q.is_cuda
+
+
+def remember_repeat(signature: tuple, repeat: Repeat) -> None:
+    if len(repeats) >= MAX_REPEATS:
+        repeats.clear()
+    repeats[signature] = repeat
+
+
+@dataclass(frozen=True)
 class Fallback:
     """A call that the chunked backend served after ``backend`` failed; ``budget`` is what fit."""
 
@@ -51,12 +81,14 @@ def failure(backend: str, device: torch.device, dtype: torch.dtype, head_dim: in
 def remember_failure(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, reason: str) -> None:
     _failures[(backend, str(device), dtype, head_dim)] = reason
     choices.clear()
+    repeats.clear()
 
 
 def forget() -> None:
     """Forget every remembered failure and cached choice (for tests, and after fixing an install)."""
     _failures.clear()
     choices.clear()
+    repeats.clear()
     _warned.clear()
 
 

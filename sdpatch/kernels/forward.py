@@ -90,6 +90,24 @@ def flash_attn_fwd(
     return result if result is not None else stand_in(q, k, v, scale)
 
 
+def repeat_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """For an unmasked call without log-sum-exp that :func:`flash_attn_fwd` has just served: a
+    launcher that serves later eager calls of the same layout, ``again(q, k, v) -> out``, or None
+    from a call that must take the full path (inside :func:`for_capture`, where the Gluon kernel may
+    serve instead). None where the Gluon kernel serves such calls, or the Triton kernel's launch is
+    not settled yet (compiling in the background, autotuning)."""
+    if gluon_serves(q, k, v, None):
+        return None
+    again = flash_fwd.fa2_repeat(q, k, v, scale)
+    if again is None:
+        return None
+
+    def eager_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        return None if _capture_depth else again(q, k, v)
+
+    return eager_only
+
+
 def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
     """(out, None) by PyTorch's SDPA (cuDNN or FlashAttention-2 on CUDA), for an unmasked call: what
     serves it while its own kernel compiles in the background
@@ -123,4 +141,4 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             + (", K and V through TMA" if tma else ""))
 
 
-__all__ = ["EAGER_GLUON_MIN_FLOP", "describe", "flash_attn_fwd", "for_capture", "gluon_serves", "stand_in"]
+__all__ = ["EAGER_GLUON_MIN_FLOP", "describe", "flash_attn_fwd", "for_capture", "gluon_serves", "repeat_launcher", "stand_in"]
