@@ -46,11 +46,10 @@ _failed: list[str] = []  # a launch that raised: the Triton kernels serve every 
 log = logging.getLogger(__name__)
 
 
-def config_for(head_dim: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PIPELINE): queries a step, keys a consumer warpgroup owns
-    (one 64-row MMA), the Q and dO ring's stages, consumer warpgroups a program, and whether a
-    tile's S^T and dP^T MMAs are issued behind the tile before's dV and dK."""
-    return 64, 64, 2, 2, True
+def config_for(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS): queries a step, keys a consumer warpgroup owns (one
+    64-row MMA), the Q and dO ring's stages, and consumer warpgroups a program."""
+    return 64, 64, 2, 2
 
 
 def dq_config_for(head_dim: int) -> tuple[int, int, int, int]:
@@ -142,7 +141,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr,
-                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PIPELINE: gl.constexpr):
+                  STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """Warpgroup WG: dK and dV of its BLOCK_N keys over every query tile."""
         (dk_desc, dv_desc, Lse, Delta, sm_scale, qk_scale, H, N_Q, N_K, k_smem, v_smem, q_smem, do_smem, kv_bars, full,
          empty) = args
@@ -170,36 +169,14 @@ if gluon is not None:
         offs_m = gl.arange(0, BLOCK_M, layout=cols)
         mbarrier.wait(kv_bars.index(WG), 0)
 
-        n_tiles = gl.cdiv(N_Q, BLOCK_M)
-        if PIPELINE:
-            # Software-pipelined by a tile: tile i+1's S^T and dP^T MMAs are issued behind tile i's dV
-            # and dK ones, so that the tensor cores have this warpgroup's next work queued while it waits.
-            mbarrier.wait(full.index(0), 0)
-            s_tok, dp_tok = _issue_sdp(k_op, v_op, q_smem.index(0), do_smem.index(0), s_zero, BLOCK_M, DP)
-            for i in range(n_tiles - 1):
-                st = i % STAGES
-                dv_tok, dk_tok, p_op, ds_op = _dkdv_tile(i, s_tok, dp_tok, q_smem.index(st), do_smem.index(st), dk, dv,
-                                                         Lse, Delta, rows, offs_m, qk_scale, N_Q, BLOCK_M, DP, op_layout)
-                nxt = (i + 1) % STAGES
-                mbarrier.wait(full.index(nxt), ((i + 1) // STAGES) & 1)
-                s_tok, dp_tok = _issue_sdp(k_op, v_op, q_smem.index(nxt), do_smem.index(nxt), s_zero, BLOCK_M, DP)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(2, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(empty.index(st))
-            last = (n_tiles - 1) % STAGES
-            dv_tok, dk_tok, p_op, ds_op = _dkdv_tile(n_tiles - 1, s_tok, dp_tok, q_smem.index(last), do_smem.index(last),
-                                                     dk, dv, Lse, Delta, rows, offs_m, qk_scale, N_Q, BLOCK_M, DP,
-                                                     op_layout)
+        for i in range(gl.cdiv(N_Q, BLOCK_M)):
+            st = i % STAGES
+            mbarrier.wait(full.index(st), (i // STAGES) & 1)
+            s_tok, dp_tok = _issue_sdp(k_op, v_op, q_smem.index(st), do_smem.index(st), s_zero, BLOCK_M, DP)
+            dv_tok, dk_tok, p_op, ds_op = _dkdv_tile(i, s_tok, dp_tok, q_smem.index(st), do_smem.index(st), dk, dv,
+                                                     Lse, Delta, rows, offs_m, qk_scale, N_Q, BLOCK_M, DP, op_layout)
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(last))
-        else:
-            for i in range(n_tiles):
-                st = i % STAGES
-                mbarrier.wait(full.index(st), (i // STAGES) & 1)
-                s_tok, dp_tok = _issue_sdp(k_op, v_op, q_smem.index(st), do_smem.index(st), s_zero, BLOCK_M, DP)
-                dv_tok, dk_tok, p_op, ds_op = _dkdv_tile(i, s_tok, dp_tok, q_smem.index(st), do_smem.index(st), dk, dv,
-                                                         Lse, Delta, rows, offs_m, qk_scale, N_Q, BLOCK_M, DP, op_layout)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-                mbarrier.arrive(empty.index(st))
+            mbarrier.arrive(empty.index(st))
 
         # dK and dV through TMA from this warpgroup's K and V buffers (every MMA that read them is
         # done); rows past N_K and columns past the head dim are not written.
@@ -218,7 +195,7 @@ if gluon is not None:
     def _attn_bwd_dkdv_hopper(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, sm_scale, qk_scale, H, N_Q, N_K,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr,
+        CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         # A program: CONSUMERS x BLOCK_N keys of one (batch, head), program_id = bh * key blocks + block,
         # so that the programs of a head, which read the same Q and dO, run together.
@@ -243,16 +220,16 @@ if gluon is not None:
                          empty)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS, PIPELINE)),
-                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS, PIPELINE)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS)),
                 (_producer, (producer_args, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
             gl.warp_specialize([
-                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS, PIPELINE)),
-                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS, PIPELINE)),
-                (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS, PIPELINE)),
+                (_consumer, (0, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS)),
+                (_consumer, (1, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS)),
+                (_consumer, (2, consumer_args, BLOCK_M, BLOCK_N, DP, STAGES, CONSUMERS)),
                 (_producer, (producer_args, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -400,13 +377,13 @@ def dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale: float, config: tuple[int
     :func:`sdpatch.kernels.flash_fwd_hopper.descriptors`'."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    block_m, block_n, stages, consumers, pipeline = config or config_for(D)
+    block_m, block_n, stages, consumers = config or config_for(D)
     dp = padded(D)
     descs = [_descriptor(t, r, dp, bound) for t, r in ((q, block_m), (k, block_n), (v, block_n), (do, block_m),
                                                          (dk, block_n), (dv, block_n))]
     args = (*descs, lse, delta, scale, scale * 1.44269504, H, Nq, Nk)  # 1/ln 2
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, DP=dp, STAGES=stages, CONSUMERS=consumers,
-                  CONSUMER_REGS=consumer_regs(consumers), PIPELINE=pipeline, num_warps=4)
+                  CONSUMER_REGS=consumer_regs(consumers), num_warps=4)
     grid = (triton.cdiv(Nk, consumers * block_n) * B * H, 1, 1)
     return _attn_bwd_dkdv_hopper, grid, args, consts
 
