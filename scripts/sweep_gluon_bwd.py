@@ -60,6 +60,15 @@ def strays(buf: torch.Tensor) -> int:
     return int((buf[:GUARD] != CANARY).sum() + (buf[-GUARD:] != CANARY).sum())
 
 
+def launcher(q: torch.Tensor, *launches):
+    """A function that runs these ``(kernel, grid, args, constexprs)`` launches, in order."""
+    def run():
+        with on_device(q):
+            for kernel, grid, args, consts in launches:
+                kernel[grid](*args, **consts)
+    return run
+
+
 def tflops(flops: float, fn) -> float:
     fn()
     return flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
@@ -94,43 +103,28 @@ def run_case(name, B, H, N, D) -> dict:
                       "nan": int(t.isnan().sum()), "strays": None if bufs is None else strays(bufs[i])}
         return res
 
+    def try_config(key, share, launch, results) -> None:
+        """One config's kernel time (its ``share`` of the backward's FLOPs) and ``results()``, or
+        the error it raised: a config that does not build is a result."""
+        try:
+            row["configs"][key] = {"tflops": tflops(flops * share, launcher(q, launch)), **results()}
+        except Exception as e:  # noqa: BLE001
+            row["configs"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(name, key, row["configs"][key], flush=True)
+
     for cfg in DQ_CANDIDATES:
         (dq, bq), dl = guarded(q), torch.empty_like(delta)
-        kernel, grid, args, consts = flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale, cfg)
-
-        def dq_only(kernel=kernel, grid=grid, args=args, consts=consts):
-            with on_device(q):
-                kernel[grid](*args, **consts)
-        try:
-            t = tflops(flops * 3 / 7, dq_only)
-            row["configs"]["dq " + str(cfg)] = {"dq_tflops": t, "delta_err": rel_err(dl, delta), **check(["dq"], [dq], [bq])}
-        except Exception as e:  # noqa: BLE001
-            row["configs"]["dq " + str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        print(name, "dq", cfg, row["configs"]["dq " + str(cfg)], flush=True)
+        try_config("dq " + str(cfg), 3 / 7, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale, cfg),
+                   lambda: {"delta_err": rel_err(dl, delta), **check(["dq"], [dq], [bq])})
 
     for cfg in CANDIDATES:
         (dk, bk), (dv, bv) = guarded(k), guarded(v)
-        kernel, grid, args, consts = flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale, cfg)
-
-        def dkdv(kernel=kernel, grid=grid, args=args, consts=consts):
-            with on_device(q):
-                kernel[grid](*args, **consts)
-        try:
-            t = tflops(flops * 4 / 7, dkdv)
-            row["configs"][str(cfg)] = {"dkdv_tflops": t, **check(["dk", "dv"], [dk, dv], [bk, bv])}
-        except Exception as e:  # noqa: BLE001 (a config that does not build is a result)
-            row["configs"][str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        print(name, cfg, row["configs"][str(cfg)], flush=True)
+        try_config(str(cfg), 4 / 7, flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale, cfg),
+                   lambda: check(["dk", "dv"], [dk, dv], [bk, bv]))
 
     (dq, bq), (dk, bk), (dv, bv), dl = guarded(q), guarded(k), guarded(v), torch.empty_like(delta)
-    both = [flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
-            flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)]
-
-    def all_gluon():
-        with on_device(q):
-            for kernel, grid, args, consts in both:
-                kernel[grid](*args, **consts)
-    row["all_gluon"] = tflops(flops, all_gluon)
+    row["all_gluon"] = tflops(flops, launcher(q, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
+                                              flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)))
     row["all_gluon_check"] = check(["dq", "dk", "dv"], [dq, dk, dv], [bq, bk, bv])
     flash_bwd_hopper.ENABLED = True
     flash_bwd._bwd_plans.clear()
@@ -172,8 +166,8 @@ def main() -> None:
     print("| case | two pass | Gluon dK/dV path | both Gluon | cuDNN | " + " | ".join(f"dK/dV {c}" for c in CANDIDATES)
           + " | " + " | ".join(f"dQ {c}" for c in DQ_CANDIDATES) + " |")
     for r in rows:
-        cells = [f"{r['configs'][str(c)].get('dkdv_tflops', 0):.0f}" for c in CANDIDATES]
-        cells += [f"{r['configs']['dq ' + str(c)].get('dq_tflops', 0):.0f}" for c in DQ_CANDIDATES]
+        cells = [f"{r['configs'][str(c)].get('tflops', 0):.0f}" for c in CANDIDATES]
+        cells += [f"{r['configs']['dq ' + str(c)].get('tflops', 0):.0f}" for c in DQ_CANDIDATES]
         print(f"| {r['case']} | {r['two_pass']:.0f} | {r['gluon_path']:.0f} | {r['all_gluon']:.0f} | {r['cudnn']:.0f} | "
               + " | ".join(cells) + " |")
 

@@ -90,15 +90,21 @@ def disable(err: Exception) -> None:
 if gluon is not None:
 
     @gluon.jit
+    def _owned_rows(N, BLOCK: gl.constexpr, CONSUMERS: gl.constexpr, WG: gl.constexpr):
+        """(batch x head, first row) of warpgroup WG's BLOCK rows: a program owns CONSUMERS x BLOCK
+        rows (keys for dK/dV, queries for dQ) of one (batch, head), program_id = bh * blocks + block,
+        so that the programs of a head, which read the same other operands, run together."""
+        n_blocks = gl.cdiv(N, CONSUMERS * BLOCK)
+        pid = gl.program_id(0)
+        return pid // n_blocks, pid % n_blocks * (CONSUMERS * BLOCK) + WG * BLOCK
+
+    @gluon.jit
     def _producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """One warp: each consumer's K and V, then the query tiles' Q and dO into the ring."""
         q_desc, k_desc, v_desc, do_desc, H, N_Q, N_K, k_smem, v_smem, q_smem, do_smem, kv_bars, full, empty = args
-        n_blocks = gl.cdiv(N_K, CONSUMERS * BLOCK_N)
-        pid = gl.program_id(0)
-        bh = pid // n_blocks
+        bh, off_n = _owned_rows(N_K, BLOCK_N, CONSUMERS, 0)
         b = bh // H
         h = bh % H
-        off_n = pid % n_blocks * (CONSUMERS * BLOCK_N)
         for w in gl.static_range(CONSUMERS):
             bar = kv_bars.index(w)
             mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -146,10 +152,7 @@ if gluon is not None:
         (dk_desc, dv_desc, Lse, Delta, sm_scale, qk_scale, H, N_Q, N_K, k_smem, v_smem, q_smem, do_smem, kv_bars, full,
          empty) = args
         dtype: gl.constexpr = dk_desc.dtype
-        n_blocks = gl.cdiv(N_K, CONSUMERS * BLOCK_N)
-        pid = gl.program_id(0)
-        bh = pid // n_blocks
-        off_n = pid % n_blocks * (CONSUMERS * BLOCK_N) + WG * BLOCK_N
+        bh, off_n = _owned_rows(N_K, BLOCK_N, CONSUMERS, WG)
 
         # S^T's and dP^T's MMA layout (keys x queries), dK's and dV's (keys x head dim); P^T and dS^T
         # enter the dK and dV MMAs as register operands.
@@ -197,8 +200,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # A program: CONSUMERS x BLOCK_N keys of one (batch, head), program_id = bh * key blocks + block,
-        # so that the programs of a head, which read the same Q and dO, run together.
+        # A program: CONSUMERS x BLOCK_N keys of one (batch, head) (_owned_rows).
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_N, DP], k_desc.layout)
@@ -237,12 +239,9 @@ if gluon is not None:
     def _dq_producer(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         """One warp: each consumer's Q, dO and O rows, then the key tiles' K and V into the ring."""
         q_desc, k_desc, v_desc, do_desc, o_desc, H, N_Q, N_K, q_smem, do_smem, o_smem, k_smem, v_smem, row_bars, full, empty = args
-        n_blocks = gl.cdiv(N_Q, CONSUMERS * BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // n_blocks
+        bh, off_m = _owned_rows(N_Q, BLOCK_M, CONSUMERS, 0)
         b = bh // H
         h = bh % H
-        off_m = pid % n_blocks * (CONSUMERS * BLOCK_M)
         for w in gl.static_range(CONSUMERS):
             bar = row_bars.index(w)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
@@ -264,10 +263,7 @@ if gluon is not None:
         (dq_desc, Lse, Delta, sm_scale, qk_scale, H, N_Q, N_K, q_smem, do_smem, o_smem, k_smem, v_smem, row_bars, full,
          empty) = args
         dtype: gl.constexpr = dq_desc.dtype
-        n_blocks = gl.cdiv(N_Q, CONSUMERS * BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // n_blocks
-        off_m = pid % n_blocks * (CONSUMERS * BLOCK_M) + WG * BLOCK_M
+        bh, off_m = _owned_rows(N_Q, BLOCK_M, CONSUMERS, WG)
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -326,7 +322,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DP: gl.constexpr, STAGES: gl.constexpr,
         CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # A program: CONSUMERS x BLOCK_M queries of one (batch, head), program_id = bh * query blocks + block.
+        # A program: CONSUMERS x BLOCK_M queries of one (batch, head) (_owned_rows).
         dtype: gl.constexpr = q_desc.dtype
         gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BLOCK_M, DP], q_desc.layout)

@@ -413,9 +413,7 @@ def fa2_attn_fwd(
     tuned = config is None and plan.tuned
     with on_device(q):
         if tuned:  # the common case: a layout seen before, its launch worked out then
-            grid, scalars, consts, key = tuned
-            kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
-            launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+            _launch_tuned(plan, q, k, v, mask, out, lse)
             return out, lse
         pinned, config = bool(config), config or plan.config
         scalars = fwd_scalars(q, k, v, mask, out, scale)
@@ -455,6 +453,13 @@ def fa2_attn_fwd(
     return out, lse
 
 
+def _launch_tuned(plan, q, k, v, mask, out, lse) -> None:
+    """The plan's tuned launch on this call's tensors (the caller makes their device current)."""
+    grid, scalars, consts, key = plan.tuned
+    kv = kv_operands(k, v, plan.meta, consts["BLOCK_N"])
+    launch(_attn_fwd_kernel, grid, (q, *kv, mask, out, lse, *scalars), consts, plan.binaries, key)
+
+
 def fa2_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """A launcher for later unmasked calls on tensors laid out exactly as these (shapes, strides,
     dtype, device, alignment), once their plan has a tuned launch (:func:`fa2_attn_fwd` has served
@@ -463,14 +468,11 @@ def fa2_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     plan = _plans.get(plan_key(q, k, v, None, scale, False, None, None))
     if plan is None or not plan.tuned:
         return None
-    grid, scalars, consts, key = plan.tuned
-    meta, block_n, binaries = plan.meta, consts["BLOCK_N"], plan.binaries
 
     def again(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         with on_device(q):
-            launch(_attn_fwd_kernel, grid, (q, *kv_operands(k, v, meta, block_n), None, out, None, *scalars),
-                   consts, binaries, key)
+            _launch_tuned(plan, q, k, v, None, out, None)
         return out
 
     return again
