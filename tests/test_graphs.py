@@ -238,7 +238,7 @@ def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_a
     is left alone."""
     fake = FakeRuntime()
     monkeypatch.setattr(graphs, "_triton", lambda: fake)
-    before = list(getattr(graphs._eager, "open", []))
+    graphs._eager.__dict__.setdefault("open", []).clear()  # calls other tests cut short
     patch_unet(unet, backend="chunked")
     kw = arch.unet_inputs(unet)
     with torch.no_grad():
@@ -250,12 +250,12 @@ def test_a_patched_models_eager_calls_compile_in_the_background_and_start_them_a
         runner, _ = fake_runner(unet)
         monkeypatch.setattr(graphs, "runner_of", lambda module: runner)
         unet(**kw)
-        assert len(fake.events) == 6 and getattr(graphs._eager, "open", []) == before
+        assert len(fake.events) == 6 and graphs._eager.open == []
         monkeypatch.undo()
         monkeypatch.setattr(graphs, "_triton", lambda: fake)
         unpatch_unet(unet)
         unet(**kw)
-    assert len(fake.events) == 6 and getattr(graphs._eager, "open", []) == before
+    assert len(fake.events) == 6 and graphs._eager.open == []
 
 
 def test_a_call_cut_short_by_an_interrupt_leaves_background_mode_at_the_next_call(unet, monkeypatch):
@@ -263,7 +263,7 @@ def test_a_call_cut_short_by_an_interrupt_leaves_background_mode_at_the_next_cal
     closes what that one opened, so background mode does not stay on for good."""
     fake = FakeRuntime()
     monkeypatch.setattr(graphs, "_triton", lambda: fake)
-    monkeypatch.setattr(graphs._eager, "open", [], raising=False)
+    graphs._eager.__dict__.setdefault("open", []).clear()  # calls other tests cut short
     patch_unet(unet, backend="chunked")
     kw = arch.unet_inputs(unet)
 
