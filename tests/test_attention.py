@@ -832,6 +832,19 @@ def test_launch_goes_to_the_binary_after_the_first_call(direct_launch):
     assert calls == [("jit", (1, 1, 1), ("x", 7), consts)] and not runtime._DIRECT_LAUNCH
 
 
+def test_binary_launches_pass_tensors_as_addresses(direct_launch):
+    """The C launcher gets each tensor argument as its address, so that it does not ask the driver
+    about it again every launch; other arguments (None, scalars, descriptors) pass unchanged."""
+    runtime = direct_launch
+    calls, binaries = [], {}
+    x, y = torch.zeros(4), torch.ones(2)
+    kernel = _Kernel(_Compiled(calls))
+    kernel.arg_names = ["X", "M", "Y", "N", "BLOCK", "FLAG"]
+    for _ in range(2):
+        runtime.launch(kernel, (1, 1, 1), (x, None, y, 7), {"BLOCK": 16, "FLAG": True}, binaries, "key")
+    assert calls[-1] == ("binary", (1, 1, 1), 0x5EA, (x.data_ptr(), None, y.data_ptr(), 7, 16, True))
+
+
 def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
     """With a launch hook registered (a profiler such as proton), the binary is launched through
     Triton's runner, which calls the hooks, instead of straight through its C launcher."""

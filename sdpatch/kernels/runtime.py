@@ -108,21 +108,31 @@ class Binary:
     3-5 us of a 9-19 us launch on the lent H200 hosts. The kernel was
     loaded on the device current at its first launch, and :func:`on_device` makes that device
     current for every later launch of its plan, so only the stream is looked up per call.
+
+    Tensors go to the launcher as their addresses: given a tensor, it asks the driver
+    (``cuPointerGetAttribute``) whether the address is a device pointer, about a microsecond per
+    tensor on the host. The launch plans' keys already fix each tensor's device, so the check can
+    tell nothing new.
     """
 
-    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream")
+    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream", "pointers")
 
-    def __init__(self, compiled, consts: tuple):
+    def __init__(self, compiled, consts: tuple, args: tuple = ()):
         self.compiled, self.consts = compiled, consts
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.device, self.current_stream = current_device_and_stream()
+        # The argument slots that hold tensors; a plan's key fixes which do.
+        self.pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
 
     def __call__(self, grid: tuple, args: tuple) -> None:
         if launch_hooked():
             self.compiled[grid](*args, *self.consts)
             return
+        values = list(args)
+        for i in self.pointers:
+            values[i] = values[i].data_ptr()
         self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
-                 *args, *self.consts)
+                 *values, *self.consts)
 
 
 def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
@@ -146,7 +156,7 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) 
     compiled = kernel[grid](*args, **consts)
     if _DIRECT_LAUNCH and not interpreting() and compiled is not None:
         try:  # the binary takes the constexprs too, in the kernel's parameter order
-            binaries[key] = Binary(compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]))
+            binaries[key] = Binary(compiled, tuple(consts[name] for name in kernel.arg_names[len(args):]), args)
         except AttributeError as e:  # a Triton whose compiled kernels lack what Binary launches with
             _no_direct_launch(binaries, e)
 
