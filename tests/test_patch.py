@@ -364,6 +364,24 @@ def test_extra_arguments_are_ignored(sd15):
     assert torch.equal(plain, extra)
 
 
+def test_diffusers_reads_the_processors_parameters_as_declared(sd15, caplog):
+    """The processor's signature is worked out once, not per call (see processor.py); diffusers must
+    still read the parameters ``__call__`` declares, and so still drop and name the
+    ``cross_attention_kwargs`` it does not take."""
+    import inspect
+
+    patch_unet(sd15)
+    attn = layers(sd15)["mid_block.attentions.0.transformer_blocks.0.attn1"]
+    code = type(attn.processor).__call__.__code__  # what the function declares, read from its code
+    n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) + bool(
+        code.co_flags & inspect.CO_VARKEYWORDS)
+    assert set(inspect.signature(attn.processor.__call__).parameters) == set(code.co_varnames[1:n])
+    x = torch.randn(2, 4, attn.query_dim)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        out = attn(x, unknown_kwarg=1)
+    assert torch.equal(out, attn(x)) and "unknown_kwarg" in caplog.text
+
+
 LORA = {"full": None, "lora": 0.0, "lora-dropout": 0.5}  # fine-tune kind: None, or the LoRA's dropout
 
 
