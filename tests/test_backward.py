@@ -101,7 +101,8 @@ def test_default_query_splits_fill_the_gpu_only_when_keys_are_few(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert flash_bwd.default_query_splits(4096, 77, 16, cuda) == 8  # 32 programs -> 256
     assert flash_bwd.default_query_splits(4096, 4096, 16, cuda) == 1  # 1024 programs already
-    assert flash_bwd.default_query_splits(200, 77, 1, cuda) == 2  # at least 128 queries a split
+    assert flash_bwd.default_query_splits(300, 77, 1, cuda) == 3  # at least 128 queries a split
+    assert flash_bwd.default_query_splits(256, 77, 16, cuda) == 1  # host-bound: no partial-sum launch
     assert flash_bwd.default_query_splits(4096, 77, 16, torch.device("cpu")) == 1
 
 

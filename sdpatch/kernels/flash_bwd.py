@@ -391,11 +391,17 @@ def bwd_tuners():
     return autotuner(_bwd_dkdv_kernel, _dkdv_configs(), _KEY, _prune), autotuner(_bwd_dq_kernel, _dq_configs(), _KEY, _prune)
 
 
+# Up to this many queries the backward is not split: its kernels take a few us, its host tens (the
+# lent H100 host: 72-131 us in flash_attn_bwd at 256 queries), and a split adds a launch of the
+# partial-sum kernel and an fp32 buffer to the host's share (about 12 us) to save the GPU less.
+SPLIT_MIN_QUERIES = 256
+
+
 def default_query_splits(n_q: int, n_k: int, bh: int, device: torch.device) -> int:
     """dK/dV programs per key block: enough for about two programs per SM, none below 128 queries
-    each. Self-attention at SD sizes already has that many key blocks (1); 77 text tokens, two key
-    blocks a head, get 8 at (2, 8, 4096) on an H200."""
-    if device.type != "cuda":
+    each, and one above :data:`SPLIT_MIN_QUERIES` queries only. Self-attention at SD sizes already
+    has that many key blocks (1); 77 text tokens, two key blocks a head, get 8 at (2, 8, 4096) on an H200."""
+    if device.type != "cuda" or n_q <= SPLIT_MIN_QUERIES:
         return 1
     programs = cdiv(n_k, 64) * bh
     return max(1, min(cdiv(n_q, 128), 2 * sm_count(device) // programs))
