@@ -17,13 +17,13 @@ Configurations (each a fresh process on the same GPU, the same seed and prompt):
 - ``patched-compile``: the patched UNet under ``torch.compile(mode="reduce-overhead")``, per UNet call
   against ``stock-compile`` (a worker process).
 
-Each run makes two images (seeds 0 and 1): the first at a new size, as a user's first image, and a
-second with every one-time cost paid (compiles, captures, sdpatch's kernels compiled in the
+Each run makes three images (seeds 0-2): the first at a new size, as a user's first image, and two
+more with every one-time cost paid (compiles, captures, sdpatch's kernels compiled in the
 background while SDPA stood in for them). The warm configurations run ``--rounds`` times, each
 round in the reverse order of the one before (ABBA), the cold ones once, in the first round: the
 lent hosts' speed comes in bursts (a whole run's steps 1.7x slower, or stretches of a run), which
 one run per configuration cannot tell from a difference between them. Each run reports steady s/it
-(the second image's median step from the third on), the first image's s/it as the CLI reports it,
+(the median step of the later images, each from its third step on), the first image's s/it as the CLI reports it,
 its first step and wall time, peak allocated and reserved over the run, the CUDA graphs' pool, and
 PSNR of the first image against stock's (random-weight presets: identical settings give identical
 noise images up to fp16 rounding). The last lines are a table, one row per configuration: the best
@@ -50,10 +50,10 @@ CONFIGS = ("stock", "stock-compile", "eager-cold", "eager", "graphs-cold", "grap
            "patched-compile")
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 WORKER_TIMEOUT_S = 420
-# Steady s/it: the second image's median step from the third on. torch.compile's reduce-overhead mode
+# Steady s/it: the later images' median step, each from its third step on. torch.compile's reduce-overhead mode
 # records its CUDA graphs over its first calls, and sdpatch's graphs warm up and capture in the first step.
 STEADY_FROM = 2
-IMAGES = 2
+IMAGES = 3
 
 
 def cli_args(config: str, preset: str, size: int, steps: int, images: Path, report: Path) -> list[str]:
@@ -98,11 +98,12 @@ def summarize(report: dict) -> dict:
     """The figures of one run's report (sdpatch's --report-json, or a worker's, which has the same keys)."""
     first, last = report["images"][0], report["images"][-1]
     denoise = {p["name"]: p for p in first["phases"]}["denoising"]
-    steps = {p["name"]: p for p in last["phases"]}["denoising"].get("step_seconds") or []
+    steps = [s for image in report["images"][1:]
+             for s in ({p["name"]: p for p in image["phases"]}["denoising"].get("step_seconds") or [])[STEADY_FROM:]]
     total = report["total"]
     speed = report.get("speed") or {}
     graphs = (speed.get("graphs") or {}).get("unet") or {}
-    later = sorted(steps[STEADY_FROM:])  # past every configuration's one-time steps
+    later = sorted(steps)  # past every configuration's one-time steps
     return {
         "s_per_it": later[len(later) // 2] if later else None,
         "cli_s_per_it": denoise.get("seconds_per_step"),
