@@ -191,8 +191,8 @@ class SdpatchAttnProcessor:
 
 # diffusers' ``Attention.forward`` reads its processor's parameters with ``inspect.signature`` on every
 # call (to drop ``cross_attention_kwargs`` the processor does not take): 15-20 us of host time a layer,
-# most of what separates a host-bound SD step from its kernels. ``inspect`` returns a function's
-# ``__signature__`` as it is, so the signature is worked out once here.
+# about what the attention call itself costs, on steps the host bounds. ``inspect`` returns a
+# function's ``__signature__`` as it is, so the signature is worked out once here.
 SdpatchAttnProcessor.__call__.__signature__ = inspect.signature(SdpatchAttnProcessor.__call__)
 
 
