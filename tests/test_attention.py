@@ -672,15 +672,11 @@ def test_a_layout_seen_before_launches_from_its_plan(monkeypatch):
 
 
 @pytest.fixture
-def fresh_faults(monkeypatch):
-    """No remembered failure, choice or repeat signature from earlier tests; CPU calls cached as CUDA
-    ones are (the interpreter stands in for the GPU)."""
-    from sdpatch.attention import faults
-
-    for name, empty in (("_failures", {}), ("_warned", set()), ("choices", {}), ("repeats", {})):
-        monkeypatch.setattr(faults, name, empty)
-    monkeypatch.setattr(faults, "cached", lambda q: True)
-    return faults
+def cached_faults(fresh_faults, monkeypatch):
+    """An empty fault state (conftest's ``fresh_faults``), with CPU calls cached as CUDA ones are
+    (the interpreter stands in for the GPU)."""
+    monkeypatch.setattr(fresh_faults, "cached", lambda q: True)
+    return fresh_faults
 
 
 def _spy(monkeypatch, module, name) -> list:
@@ -695,7 +691,7 @@ def _spy(monkeypatch, module, name) -> list:
     return calls
 
 
-def test_a_repeat_call_skips_validation_the_choice_and_the_plan(fresh_faults, monkeypatch):
+def test_a_repeat_call_skips_validation_the_choice_and_the_plan(cached_faults, monkeypatch):
     """An eager call of a signature served before goes straight to the launch that served it: new
     data, the answers a first call gives, and none of the checks worked out again."""
     from sdpatch.attention import dispatch
@@ -703,7 +699,7 @@ def test_a_repeat_call_skips_validation_the_choice_and_the_plan(fresh_faults, mo
 
     q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
     attention(q, k, v, backend="triton")
-    assert len(fresh_faults.repeats) == 1
+    assert len(cached_faults.repeats) == 1
     for module, name in ((dispatch, "_validate"), (dispatch, "choose_backend"), (flash_fwd, "plan_key")):
         monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("worked out again"))
     q2, k2, v2 = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=12)
@@ -729,7 +725,7 @@ REPEAT_MISSES = [
 
 
 @pytest.mark.parametrize("change, kwargs", REPEAT_MISSES)
-def test_a_call_unlike_the_repeat_signature_takes_the_full_path(fresh_faults, monkeypatch, change, kwargs):
+def test_a_call_unlike_the_repeat_signature_takes_the_full_path(cached_faults, monkeypatch, change, kwargs):
     from sdpatch.attention import dispatch
     from sdpatch.kernels import forward
 
@@ -745,7 +741,7 @@ def test_a_call_unlike_the_repeat_signature_takes_the_full_path(fresh_faults, mo
     assert rel_err(out, ref) <= RTOL[q2.dtype]
 
 
-def test_a_kernel_that_fails_on_a_repeat_call_is_remembered_and_its_repeats_forgotten(fresh_faults, monkeypatch):
+def test_a_kernel_that_fails_on_a_repeat_call_is_remembered_and_its_repeats_forgotten(cached_faults, monkeypatch):
     from sdpatch.kernels import flash_fwd
 
     q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
@@ -753,12 +749,12 @@ def test_a_kernel_that_fails_on_a_repeat_call_is_remembered_and_its_repeats_forg
     monkeypatch.setattr(flash_fwd, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel image")))
     with pytest.raises(BackendUnavailableError, match="failed to compile or launch"):
         attention(q, k, v, backend="triton")
-    assert fresh_faults.repeats == {}
+    assert cached_faults.repeats == {}
     with pytest.raises(BackendUnavailableError, match="failed here before"):
         attention(q, k, v, backend="triton")
 
 
-def test_out_of_memory_on_a_repeat_call_is_retried_on_chunked(fresh_faults, monkeypatch):
+def test_out_of_memory_on_a_repeat_call_is_retried_on_chunked(cached_faults, monkeypatch):
     from sdpatch.kernels import flash_fwd
 
     q, k, v = make_qkv(1, 2, 37, 21, 40, torch.float16, "bnhd", seed=11)
@@ -767,7 +763,7 @@ def test_out_of_memory_on_a_repeat_call_is_retried_on_chunked(fresh_faults, monk
     events = []
     out = attention(q, k, v, backend="triton", on_fallback=events.append)
     assert rel_err(out, attention_ref(q, k, v)) <= RTOL[torch.float16]
-    assert [e.backend for e in events] == ["triton"] and len(fresh_faults.repeats) == 1
+    assert [e.backend for e in events] == ["triton"] and len(cached_faults.repeats) == 1
 
 
 class _Compiled:

@@ -54,13 +54,8 @@ OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
 @pytest.fixture(autouse=True)
-def fresh_fault_state(monkeypatch):
-    """Each test starts with no remembered Triton failure, no fault warned about yet, and no cached
-    choice or repeat signature."""
-    monkeypatch.setattr(faults, "_failures", {})
-    monkeypatch.setattr(faults, "_warned", set())
-    monkeypatch.setattr(faults, "choices", {})
-    monkeypatch.setattr(faults, "repeats", {})
+def fresh_fault_state(fresh_faults):
+    """Each test starts from an empty fault state (conftest's ``fresh_faults``)."""
 
 
 @pytest.fixture
