@@ -172,11 +172,13 @@ class SdpatchAttnProcessor:
             cls = next(c for c in (BackendUnavailableError, ValueError, TypeError) if isinstance(err, c))
             raise cls(f"attention layer {self.name!r}: {err}") from err
 
+        # attention() returns q's dtype, so AttnProcessor2_0's cast to it is left out.
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
 
-        hidden_states = attn.to_out[0](hidden_states)  # linear projection
-        hidden_states = attn.to_out[1](hidden_states)  # dropout
+        projection, dropout, *_ = attn.to_out  # unpacked: ModuleList's indexing costs a microsecond each
+        hidden_states = projection(hidden_states)
+        if not _is_identity(dropout):
+            hidden_states = dropout(hidden_states)
 
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
@@ -192,8 +194,29 @@ class SdpatchAttnProcessor:
 # diffusers' ``Attention.forward`` reads its processor's parameters with ``inspect.signature`` on every
 # call (to drop ``cross_attention_kwargs`` the processor does not take): 15-20 us of host time a layer,
 # about what the attention call itself costs, on steps the host bounds. ``inspect`` returns a
-# function's ``__signature__`` as it is, so the signature is worked out once here.
+# function's ``__signature__`` as it is, so the signature is worked out once here. (For the bound
+# method it still builds the signature without ``self``, ~3 us; an instance attribute ``__call__``
+# would avoid that, but ``torch.compile`` refuses to trace calls of an object that has one.)
 SdpatchAttnProcessor.__call__.__signature__ = inspect.signature(SdpatchAttnProcessor.__call__)
+
+
+def _is_identity(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` returns its input itself: a plain ``nn.Dropout`` of p = 0 or in eval
+    mode (``F.dropout`` then returns its input), with no hooks to run. Skipping it saves a module call,
+    2-3 us of host time a layer."""
+    return (
+        type(module) is torch.nn.Dropout
+        and (module.p == 0 or not module.training)
+        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+        and not _global_module_hooks()
+    )
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``) exist."""
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 class _SharedCast(torch.autograd.Function):

@@ -343,6 +343,39 @@ def test_output_rescale_and_residual(factor):
             attn.set_processor(ap.AttnProcessor2_0())
 
 
+# The output dropout, to_out[1]: (p, train mode, a hook on it). The processor skips the module only where
+# calling it returns its input and runs nothing else; elsewhere it must draw stock's mask and run the hook.
+DROPOUT_CASES = {
+    "p0-eval": (0.0, False, False),
+    "p0-train": (0.0, True, False),
+    "p0.5-eval": (0.5, False, False),
+    "p0.5-train": (0.5, True, False),
+    "p0-eval-hooked": (0.0, False, True),
+}
+
+
+@pytest.mark.parametrize("p, train, hooked", list(DROPOUT_CASES.values()), ids=list(DROPOUT_CASES))
+def test_output_dropout_as_stock(p, train, hooked):
+    torch.manual_seed(0)
+    attn = Attention(32, heads=2, dim_head=16, dropout=p).train(train)
+    seen = []
+    if hooked:
+        attn.to_out[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    x = torch.randn(2, 6, 32)
+    outs = {}
+    with torch.no_grad():
+        for name, processor in (("stock", ap.AttnProcessor2_0()), ("sdpatch", SdpatchAttnProcessor("l", backend="sdpa"))):
+            attn.set_processor(processor)
+            torch.manual_seed(1)
+            outs[name] = attn(x)
+    assert torch.equal(outs["sdpatch"], outs["stock"])
+    assert len(seen) == (2 if hooked else 0)
+    if p and train:  # the mask was drawn: not the output without dropout
+        attn.eval()
+        with torch.no_grad():
+            assert not torch.equal(attn(x), outs["sdpatch"])
+
+
 def test_chunk_budget_reaches_attention(sd15, attention_calls):
     kw = arch.unet_inputs(sd15)
     ref = run(sd15, kw)
