@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # in every self-attention layer of SD 1.5 and SDXL up to (2, 10, 4096, 64), 8.6e10 FLOPs, where its
 # layer took 262 us against 582; the crossover above that is not measured. 1.5e11 FLOPs is a
 # kernel of about 0.5 ms, past which the host runs ahead of the GPU.
+# The price is kernel time: by graph replay on an H100 the Triton kernel is 0.81x the Gluon one at
+# (2, 10, 4096, 64) and 0.73x at (2, 8, 1024, 160), and 0.87x and 0.91x cuDNN's, which is what an
+# eager call at those shapes loses to SDPA per call (docs/benchmarks.md).
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
 _captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
