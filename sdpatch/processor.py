@@ -200,6 +200,14 @@ class SdpatchAttnProcessor:
 SdpatchAttnProcessor.__call__.__signature__ = inspect.signature(SdpatchAttnProcessor.__call__)
 
 
+# The hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``): dicts that
+# registration fills in place, so bound once here.
+_GLOBAL_MODULE_HOOKS = tuple(
+    getattr(torch.nn.modules.module, name, {})
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+)
+
+
 def _is_identity(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` returns its input itself: a plain ``nn.Dropout`` of p = 0 or in eval
     mode (``F.dropout`` then returns its input), with no hooks to run. Skipping it saves a module call,
@@ -208,15 +216,8 @@ def _is_identity(module: torch.nn.Module) -> bool:
         type(module) is torch.nn.Dropout
         and (module.p == 0 or not module.training)
         and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
-        and not _global_module_hooks()
+        and not any(_GLOBAL_MODULE_HOOKS)
     )
-
-
-def _global_module_hooks() -> bool:
-    """Whether hooks registered for every module (``torch.nn.modules.module.register_module_*_hook``) exist."""
-    m = torch.nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
 
 
 class _SharedCast(torch.autograd.Function):

@@ -343,33 +343,45 @@ def test_output_rescale_and_residual(factor):
             attn.set_processor(ap.AttnProcessor2_0())
 
 
-# The output dropout, to_out[1]: (p, train mode, a hook on it). The processor skips the module only where
-# calling it returns its input and runs nothing else; elsewhere it must draw stock's mask and run the hook.
+# The output dropout, to_out[1]: (p, train mode, a hook on it: none, its own, or one for every module). The
+# processor skips the module only where calling it returns its input and runs nothing else; elsewhere it
+# must draw stock's mask and run the hook.
 DROPOUT_CASES = {
-    "p0-eval": (0.0, False, False),
-    "p0-train": (0.0, True, False),
-    "p0.5-eval": (0.5, False, False),
-    "p0.5-train": (0.5, True, False),
-    "p0-eval-hooked": (0.0, False, True),
+    "p0-eval": (0.0, False, None),
+    "p0-train": (0.0, True, None),
+    "p0.5-eval": (0.5, False, None),
+    "p0.5-train": (0.5, True, None),
+    "p0-eval-hooked": (0.0, False, "module"),
+    "p0-eval-global-hook": (0.0, False, "global"),
 }
 
 
-@pytest.mark.parametrize("p, train, hooked", list(DROPOUT_CASES.values()), ids=list(DROPOUT_CASES))
-def test_output_dropout_as_stock(p, train, hooked):
+@pytest.mark.parametrize("p, train, hook", list(DROPOUT_CASES.values()), ids=list(DROPOUT_CASES))
+def test_output_dropout_as_stock(p, train, hook):
     torch.manual_seed(0)
     attn = Attention(32, heads=2, dim_head=16, dropout=p).train(train)
-    seen = []
-    if hooked:
-        attn.to_out[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    dropout, seen = attn.to_out[1], []
+
+    def count(module, args, out):
+        if module is dropout:
+            seen.append(out.shape)
+
+    handle = {None: None, "module": dropout.register_forward_hook,
+              "global": torch.nn.modules.module.register_module_forward_hook}[hook]
+    handle = handle and handle(count)
     x = torch.randn(2, 6, 32)
     outs = {}
-    with torch.no_grad():
-        for name, processor in (("stock", ap.AttnProcessor2_0()), ("sdpatch", SdpatchAttnProcessor("l", backend="sdpa"))):
-            attn.set_processor(processor)
-            torch.manual_seed(1)
-            outs[name] = attn(x)
+    try:
+        with torch.no_grad():
+            for name, processor in (("stock", ap.AttnProcessor2_0()), ("sdpatch", SdpatchAttnProcessor("l", backend="sdpa"))):
+                attn.set_processor(processor)
+                torch.manual_seed(1)
+                outs[name] = attn(x)
+    finally:
+        if handle:
+            handle.remove()
     assert torch.equal(outs["sdpatch"], outs["stock"])
-    assert len(seen) == (2 if hooked else 0)
+    assert len(seen) == (2 if hook else 0)
     if p and train:  # the mask was drawn: not the output without dropout
         attn.eval()
         with torch.no_grad():
