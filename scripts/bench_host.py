@@ -18,6 +18,10 @@ events' GPU time, the host's time in ``autograd.grad``, and for sdpatch where th
 the call to its Python backward, the backward itself, and back to the caller). A call whose host
 time outlasts its kernels is timed by the host: this shows which one a per-call figure measures.
 
+``--parts layers``: one diffusers ``Attention`` layer at host-bound SD shapes, stock's processor
+against sdpatch's as it launches by default, with the Triton forward alone, and with the Gluon forward
+serving eager calls wherever it serves (what lowering ``EAGER_GLUON_MIN_FLOP`` would cost or gain).
+
 ``--parts unet``: whole eager UNet calls (SD 1.5 512², SDXL 1024², batch 2, no grad), stock against
 sdpatch: the host's time to enqueue one, its wall time, its host-device synchronizations, and the
 top of a cProfile of each, to find what an eager denoising step spends beyond stock's.
@@ -104,7 +108,21 @@ def layer_calls(c: Case, device: str) -> dict:
         finally:
             flash_fwd_hopper.ENABLED = enabled
 
-    return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only}
+    def gluon_eager():  # the same layer with the Gluon forward serving eager calls of every size where it serves
+        from sdpatch.attention import faults
+        from sdpatch.kernels import forward
+
+        # The repeat path would launch what served the layout before; the full path sees the threshold.
+        threshold, forward.EAGER_GLUON_MIN_FLOP = forward.EAGER_GLUON_MIN_FLOP, 0
+        faults.repeats.clear()
+        try:
+            return call(ours)()
+        finally:
+            forward.EAGER_GLUON_MIN_FLOP = threshold
+            faults.repeats.clear()
+
+    return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only,
+            "sdpatch gluon layer": gluon_eager}
 
 
 def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
@@ -349,12 +367,13 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
     print(environment())
     if layer_rows:
         # Unsynchronized calls: each figure is the larger of the host's and the GPU's time per call.
-        print("| layer, eager, no grad | stock AttnProcessor2_0 us | sdpatch us | sdpatch / stock | sdpatch, FA2 only, us | FA2 only / stock |")
-        print("|---|---|---|---|---|---|")
+        print("| layer, eager, no grad | stock AttnProcessor2_0 us | sdpatch us | sdpatch / stock | sdpatch, FA2 only, us | FA2 only / stock"
+              " | sdpatch, Gluon wherever it serves, us | Gluon / stock |")
+        print("|---|---|---|---|---|---|---|---|")
         med = {(r["case"], r["impl"]): r["median_us"] for r in layer_rows}
         for c in LAYER_CASES:
-            theirs, ours, fa2 = (med[c.name, n] for n in ("stock layer", "sdpatch layer", "sdpatch fa2 layer"))
-            print(f"| {c.name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {fa2:.1f} | {fa2 / theirs:.2f} |")
+            theirs, ours, fa2, gluon = (med[c.name, n] for n in ("stock layer", "sdpatch layer", "sdpatch fa2 layer", "sdpatch gluon layer"))
+            print(f"| {c.name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {fa2:.1f} | {fa2 / theirs:.2f} | {gluon:.1f} | {gluon / theirs:.2f} |")
         for c in LAYER_CASES[:1] + LAYER_CASES[-1:]:
             print(c.name, "sdpatch layer", profile_top(layer_calls(c, device)["sdpatch layer"], iters, lines=25), sep="\n")
     print("| case | call | sdpatch us | SDPA us | difference us |")
