@@ -112,14 +112,14 @@ def layer_calls(c: Case, device: str) -> dict:
         from sdpatch.attention import faults
         from sdpatch.kernels import forward
 
-        # The repeat path would launch what served the layout before; the full path sees the threshold.
+        # The repeat path would launch what served the layout before (the default's Triton kernel); the
+        # full path sees the threshold, and a Gluon launch leaves no repeat behind.
         threshold, forward.EAGER_GLUON_MIN_FLOP = forward.EAGER_GLUON_MIN_FLOP, 0
         faults.repeats.clear()
         try:
             return call(ours)()
         finally:
             forward.EAGER_GLUON_MIN_FLOP = threshold
-            faults.repeats.clear()
 
     return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only,
             "sdpatch gluon layer": gluon_eager}

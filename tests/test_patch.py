@@ -366,9 +366,8 @@ def test_output_dropout_as_stock(p, train, hook):
         if module is dropout:
             seen.append(out.shape)
 
-    handle = {None: None, "module": dropout.register_forward_hook,
-              "global": torch.nn.modules.module.register_module_forward_hook}[hook]
-    handle = handle and handle(count)
+    register = {"module": dropout.register_forward_hook, "global": torch.nn.modules.module.register_module_forward_hook}.get(hook)
+    handle = register(count) if register else None
     x = torch.randn(2, 6, 32)
     outs = {}
     try:
