@@ -30,6 +30,7 @@ top of a cProfile of each, to find what an eager denoising step spends beyond st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -54,6 +55,7 @@ LAYER_CASES = [Case("layer hd40 4096", 2, 8, 4096, 4096, 40), Case("layer hd40 4
                Case("layer hd80 1024", 2, 8, 1024, 1024, 80), Case("layer hd160 256", 2, 8, 256, 256, 160),
                Case("layer hd160 1024", 2, 8, 1024, 1024, 160), Case("layer hd64 1024", 2, 20, 1024, 1024, 64),
                Case("layer hd64 1024x77", 2, 20, 1024, 77, 64), Case("layer hd64 4096", 2, 10, 4096, 4096, 64)]
+PROFILED_LAYERS = ("layer hd160 1024", "layer hd64 4096")  # the eager per-call targets' shapes
 # Whole UNet calls, eager, no grad, batch 2 (preset, size): where a host-bound step's time goes.
 UNET_CASES = [("sd15", 512), ("sdxl", 1024)]
 ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
@@ -80,8 +82,10 @@ def calls(c: Case, device: str) -> dict:
 
 
 def layer_calls(c: Case, device: str) -> dict:
-    """{name: zero-argument call}: one diffusers ``Attention`` layer's forward without gradients,
-    with its stock ``AttnProcessor2_0`` and with sdpatch's processor (the layer patch_unet sets)."""
+    """({name: zero-argument call}, {name: context factory}): one diffusers ``Attention`` layer's
+    forward without gradients, with its stock ``AttnProcessor2_0`` and with sdpatch's processor (the
+    layer patch_unet sets) under each launch policy (:func:`launch_policy`), which its calls must be
+    made in."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
     from sdpatch.processor import SdpatchAttnProcessor
@@ -99,30 +103,35 @@ def layer_calls(c: Case, device: str) -> dict:
                 return processor(layer, x, context)
         return run
 
-    def fa2_only():  # the same layer with the Gluon forward switched off: the FA2 Triton kernel serves
-        from sdpatch.kernels import flash_fwd_hopper
+    # Each sdpatch variant keeps its own map of eager repeats (the fast path launches what served a
+    # layout first), and its own forward launch policy: the default; the Gluon forward off, so that
+    # the FA2 Triton kernel serves; the Gluon forward serving eager calls wherever it serves.
+    return ({"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": call(ours),
+             "sdpatch gluon layer": call(ours)},
+            {"sdpatch layer": launch_policy(), "sdpatch fa2 layer": launch_policy(gluon=False),
+             "sdpatch gluon layer": launch_policy(gluon_min_flop=0)})
 
-        enabled, flash_fwd_hopper.ENABLED = flash_fwd_hopper.ENABLED, False
+
+def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None):
+    """A context factory: inside, sdpatch's forward launches with the Gluon kernel on or off and
+    ``EAGER_GLUON_MIN_FLOP`` at ``gluon_min_flop`` (None: as shipped), and eager calls repeat from
+    a map of this policy's own."""
+    from sdpatch.attention import faults
+    from sdpatch.kernels import flash_fwd_hopper, forward
+
+    repeats: dict = {}
+
+    @contextlib.contextmanager
+    def policy():
+        saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP
+        faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
+        forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
         try:
-            return call(ours)()
+            yield
         finally:
-            flash_fwd_hopper.ENABLED = enabled
+            faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP = saved
 
-    def gluon_eager():  # the same layer with the Gluon forward serving eager calls of every size where it serves
-        from sdpatch.attention import faults
-        from sdpatch.kernels import forward
-
-        # The repeat path would launch what served the layout before (the default's Triton kernel); the
-        # full path sees the threshold, and a Gluon launch leaves no repeat behind.
-        threshold, forward.EAGER_GLUON_MIN_FLOP = forward.EAGER_GLUON_MIN_FLOP, 0
-        faults.repeats.clear()
-        try:
-            return call(ours)()
-        finally:
-            forward.EAGER_GLUON_MIN_FLOP = threshold
-
-    return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only,
-            "sdpatch gluon layer": gluon_eager}
+    return policy
 
 
 def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
@@ -236,27 +245,70 @@ def pieces(c: Case, device: str) -> dict:
     return found
 
 
+def gluon_pieces(c: Case) -> dict:
+    """{name: zero-argument call} for the parts of one eager forward on the Gluon kernel (CUDA,
+    sm_90, where it serves the case), each timed alone: the plan's path, the repeat launcher, the
+    launches' arguments, one TMA descriptor's encoding in Triton's launcher; and cuDNN's call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sdpatch.kernels import flash_fwd_hopper as hopper
+
+    q, k, v, _ = (t.detach() for t in inputs(c, "cuda"))
+    scale = c.D**-0.5
+    if not hopper.serves(q, k, v, None):
+        return {}
+    hopper.gluon_attn_fwd(q, k, v, scale)
+    hopper.gluon_attn_fwd(q, k, v, scale)  # the second launches from the binaries
+    again = hopper.gluon_repeat(q, k, v, scale)
+    out = torch.empty_like(q)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    found = {"gluon: gluon_attn_fwd": lambda: hopper.gluon_attn_fwd(q, k, v, scale),
+             "gluon: launches' arguments": lambda: hopper.launches(q, k, v, out, None, scale, bound=True),
+             "sdpa: cuDNN call": cudnn}
+    if again is not None:
+        found["gluon: repeat launcher"] = lambda: again(q, k, v)
+    binary = hopper._plans[hopper._plan_key(q, k, v, False)].binaries[("gluon", 0)]
+    meta = getattr(binary.compiled.metadata, "tensordesc_meta", None)
+    try:  # Triton 3.5-3.6's encoding of one descriptor per launch (its internals: may be absent)
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        desc = hopper.BoundDescriptor(q, list(q.shape), list(q.stride()))
+        make_tensordesc_arg(desc, meta[0])
+        found["gluon: one descriptor's encoding"] = lambda: make_tensordesc_arg(desc, meta[0])
+    except Exception as e:  # noqa: BLE001 - a piece this Triton lacks is left out
+        print("no descriptor piece:", type(e).__name__, e)
+    return found
+
+
 def host_us(fn, iters: int, device: str) -> list[float]:
     """us per call of 5 runs of ``iters`` unsynchronized calls, after a warm-up."""
     return alternating_us({"fn": fn}, iters, device)["fn"]
 
 
-def alternating_us(fns: dict, iters: int, device: str, rounds: int = 5) -> dict[str, list[float]]:
+def alternating_us(fns: dict, iters: int, device: str, rounds: int = 5, contexts: dict | None = None) -> dict[str, list[float]]:
     """us per call of each of ``fns``, one figure per round of ``iters`` unsynchronized calls, after a
     warm-up; the calls take turns, each round in the reverse order of the one before (ABBA), so that
-    a drift in the host's speed reaches each alike."""
+    a drift in the host's speed reaches each alike. ``contexts``: {name: context factory} that each
+    of that name's runs is inside."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for fn in fns.values():
-        for _ in range(min(iters, 20)):
-            fn()
+    contexts = contexts or {}
+    for name, fn in fns.items():
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(min(iters, 20)):
+                fn()
     sync()
     runs, order = {name: [] for name in fns}, list(fns)
     for _ in range(rounds):
         for name in order:
-            t = time.perf_counter()
-            for _ in range(iters):
-                fns[name]()
-            runs[name].append((time.perf_counter() - t) / iters * 1e6)
+            with contexts.get(name, contextlib.nullcontext)():
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fns[name]()
+                runs[name].append((time.perf_counter() - t) / iters * 1e6)
             sync()
         order.reverse()
     return runs
@@ -361,7 +413,8 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
             print(f"{c.name:14s}   {name:34s} host us/call: best {min(runs):6.1f}", flush=True)
     layer_rows = []
     for c in LAYER_CASES if device == "cuda" and "layers" in parts_run else []:
-        for name, runs in alternating_us(layer_calls(c, device), iters, device).items():
+        fns, contexts = layer_calls(c, device)
+        for name, runs in alternating_us(fns, iters, device, contexts=contexts).items():
             layer_rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
             print(f"{c.name:20s} {name:14s} us/call: best {min(runs):6.1f}  median {statistics.median(runs):6.1f}", flush=True)
     print(environment())
@@ -374,8 +427,15 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
         for c in LAYER_CASES:
             theirs, ours, fa2, gluon = (med[c.name, n] for n in ("stock layer", "sdpatch layer", "sdpatch fa2 layer", "sdpatch gluon layer"))
             print(f"| {c.name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {fa2:.1f} | {fa2 / theirs:.2f} | {gluon:.1f} | {gluon / theirs:.2f} |")
-        for c in LAYER_CASES[:1] + LAYER_CASES[-1:]:
-            print(c.name, "sdpatch layer", profile_top(layer_calls(c, device)["sdpatch layer"], iters, lines=25), sep="\n")
+        for c in (c for c in LAYER_CASES if c.name in PROFILED_LAYERS):
+            for name, fn in gluon_pieces(c).items():
+                runs = host_us(fn, iters, device)
+                parts.append(dict(case=c.name, piece=name, best_us=min(runs)))
+            fns, contexts = layer_calls(c, device)
+            for name in ("sdpatch layer", "sdpatch gluon layer"):
+                with contexts[name]():
+                    fns[name]()
+                    print(c.name, name, profile_top(fns[name], iters, lines=25), sep="\n")
     print("| case | call | sdpatch us | SDPA us | difference us |")
     print("|---|---|---|---|---|")
     best = {(r["case"], r["impl"]): r["best_us"] for r in rows}

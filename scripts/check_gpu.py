@@ -128,6 +128,17 @@ def check_gluon(q, k, v, ref, name) -> None:
               else "captured calls" if flash_fwd_hopper.serves(q, k, v, None) else "no default calls")
     report(f"gluon {name}", e <= RTOL[q.dtype] and e_lse <= 1e-3 and out.stride() == q.stride(),
            f"rel err {e:.2e}, lse vs Triton's max diff {e_lse:.1e}, serves {served}")
+    # The repeat launcher (eager calls of a layout seen before) against the plan's path, bit for bit,
+    # on new data of the same layout: the same kernels on the same grid.
+    flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale)
+    flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale)  # the second launches from the binaries
+    again = flash_fwd_hopper.gluon_repeat(q, k, v, scale)
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+    grid = flash_fwd_hopper.grid_for(q.shape[0] * q.shape[1], q.shape[2], k.shape[2], flash_fwd_hopper.sm_count(q.get_device()),
+                                     flash_fwd_hopper.config_for(q.shape[-1]))
+    same = again is not None and torch.equal(again(q2, k2, v2), flash_fwd_hopper.gluon_attn_fwd(q2, k2, v2, scale)[0])
+    report(f"gluon repeat {name}", same, f"{'split' if grid.pieces else 'whole'} grid: "
+           + ("equal to the plan's path" if same else "no repeat launcher" if again is None else "differs"))
     # The whole output against the Triton kernel's: as this GPU's SMs lay the grid out, then with
     # its last tile in pieces, as on a GPU of one SM fewer than tiles (tail_split; that tile is the
     # last head's), then in tiles of two sizes (tile_plan), where an SM count gives some.

@@ -291,6 +291,57 @@ def test_while_a_gluon_layout_compiles_in_the_background_sdpa_stands_in(monkeypa
     assert runtime.stood_in() == served + 3  # the Triton kernel served the last call
 
 
+@pytest.mark.parametrize("sms,pieces", [(132, 0), (5, 4)], ids=["whole-grid", "split-grid"])
+def test_a_repeat_launches_the_layouts_binaries_on_new_tensors(monkeypatch, sms, pieces):
+    """An eager repeat of a layout that launched from its binaries: the same launches as the plan's
+    path would make on the new tensors (grids, descriptors, scalars), a fresh output, and with a
+    split grid one fresh workspace that the combine reads."""
+    from sdpatch.kernels.runtime import LAUNCHED, Plan
+
+    monkeypatch.setattr(fh, "sm_count", lambda device: sms)
+    monkeypatch.setattr(fh, "_plans", {})
+    q, k, v = qkv(D=40, Nq=512, Nk=512)
+    assert fh.gluon_repeat(q, k, v, 0.25) is None  # the layout has not launched
+    plan = fh._plans[fh._plan_key(q, k, v, False)] = Plan({}, later=LAUNCHED)
+    assert fh.gluon_repeat(q, k, v, 0.25) is None  # nor compiled its binaries
+    calls = []
+    plan.binaries = {("gluon", i): lambda grid, args, i=i: calls.append((i, grid, args)) for i in range(1 + (pieces > 0))}
+    again = fh.gluon_repeat(q, k, v, 0.25)
+    q2, k2, v2 = qkv(D=40, Nq=512, Nk=512)
+    out = again(q2, k2, v2)
+    assert out.shape == q2.shape and out.stride() == q2.stride() and out is not q2
+    expected = fh.launches(q2, k2, v2, out, None, 0.25, bound=True)
+    assert [i for i, *_ in calls] == list(range(len(expected))) and (len(expected) > 1) == (pieces > 0)
+
+    def same(a, b):
+        if isinstance(b, fh.BoundDescriptor):
+            return a.base is b.base and (a.shape, a.strides) == (b.shape, b.strides)
+        if isinstance(b, torch.Tensor):  # out, or a workspace: fresh, of the same shape
+            return a is b if b is out else a.shape == b.shape and a.dtype == b.dtype
+        return a == b
+
+    for (_, grid, args), (_, grid_e, args_e, _) in zip(calls, expected):
+        assert grid == grid_e and len(args) == len(args_e) and all(same(a, b) for a, b in zip(args, args_e))
+    if pieces:
+        assert calls[1][2][0] is calls[0][2][9] and calls[1][2][1] is calls[0][2][10]  # the combine reads the pieces
+
+
+def test_the_eager_repeat_takes_the_kernel_that_serves_and_none_inside_a_capture(monkeypatch):
+    from sdpatch.kernels import flash_fwd
+
+    q, k, v = qkv(D=64, Nq=256, Nk=256)
+    launched = []
+    monkeypatch.setattr(fh, "gluon_repeat", lambda *a: lambda q, k, v: launched.append("gluon"))
+    monkeypatch.setattr(flash_fwd, "fa2_repeat", lambda *a: lambda q, k, v: launched.append("triton"))
+    for gluon in (True, False):
+        monkeypatch.setattr(forward, "gluon_serves", lambda q, k, v, mask: gluon)
+        again = forward.repeat_launcher(q, k, v, 0.125)
+        again(q, k, v)
+        with forward.for_capture():
+            assert again(q, k, v) is None  # the full path, where the Gluon kernel may serve instead
+    assert launched == ["gluon", "triton"]
+
+
 TAIL_SPLITS = [  # (tiles, SMs, key tiles, (whole, splits))
     (440, 132, 32, (396, 3)),  # hd64 4096, B2 H10: 3 waves and 44 tiles, those in thirds
     (256, 132, 64, (256, 1)),  # hd40 4096, B2 H8: a last wave of 124 tiles

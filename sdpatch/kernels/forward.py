@@ -95,13 +95,12 @@ def flash_attn_fwd(
 
 def repeat_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """For an unmasked call without log-sum-exp that :func:`flash_attn_fwd` has just served: a
-    launcher that serves later eager calls of the same layout, ``again(q, k, v) -> out``, or None
-    from a call that must take the full path (inside :func:`for_capture`, where the Gluon kernel may
-    serve instead). None where the Gluon kernel serves such calls, or the Triton kernel's launch is
-    not settled yet (compiling in the background, autotuning)."""
-    if gluon_serves(q, k, v, None):
-        return None
-    again = flash_fwd.fa2_repeat(q, k, v, scale)
+    launcher that serves later eager calls of the same layout on the same kernel, ``again(q, k, v)
+    -> out``, or None from a call that must take the full path (inside :func:`for_capture`, where
+    the Gluon kernel may serve instead). None where the kernel's launch is not settled yet
+    (compiling in the background, autotuning)."""
+    gluon = gluon_serves(q, k, v, None)
+    again = flash_fwd_hopper.gluon_repeat(q, k, v, scale) if gluon else flash_fwd.fa2_repeat(q, k, v, scale)
     if again is None:
         return None
 
