@@ -806,25 +806,24 @@ def gluon_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if plan is None or plan.later not in (None, LAUNCHED):
         return None
     runs = launches(q, k, v, q, None, scale, bound=True)  # out is laid out as q (empty_like)
-    binaries = [plan.binaries.get(("gluon", i)) for i in range(len(runs))]
-    if None in binaries:
+    if any(("gluon", i) not in plan.binaries for i in range(len(runs))):
         return None
-    (_, grid, args, _), combine = runs[0], runs[1:]
+    (kernel, grid, args, consts), combine = runs[0], runs[1:]
     templates, tail = args[:8], args[11:]  # 8 descriptors; then Lse, Part_O, Part_L; then scalars
     part_o, part_l = args[9:11]
-    main = binaries[0]
 
     def again(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         descs = tuple(d and BoundDescriptor(t, d.shape, d.strides) for d, t in zip(templates, (q, k, v, out) * 2))
         with on_device(q):
             if not combine:
-                main(grid, (*descs, None, None, None, *tail))
+                launch(kernel, grid, (*descs, None, None, None, *tail), consts, plan.binaries, ("gluon", 0))
                 return out
             po = torch.empty(part_o.shape, device=q.device, dtype=torch.float32)
             pl = torch.empty(part_l.shape, device=q.device, dtype=torch.float32)
-            main(grid, (*descs, None, po, pl, *tail))
-            binaries[1](combine[0][1], (po, pl, out, None, *combine[0][2][4:]))
+            launch(kernel, grid, (*descs, None, po, pl, *tail), consts, plan.binaries, ("gluon", 0))
+            c_kernel, c_grid, c_args, c_consts = combine[0]
+            launch(c_kernel, c_grid, (po, pl, out, None, *c_args[4:]), c_consts, plan.binaries, ("gluon", 1))
         return out
 
     return again
