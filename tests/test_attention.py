@@ -841,6 +841,75 @@ def test_binary_launches_pass_tensors_as_addresses(direct_launch):
     assert calls[-1] == ("binary", (1, 1, 1), 0x5EA, (x.data_ptr(), None, y.data_ptr(), 7, 16, True))
 
 
+class _DescriptorRunner:
+    """Stands in for Triton 3.5-3.6's runner of a kernel with descriptor arguments: its ``launch``
+    wraps the C launcher (``raw``) in a closure over the descriptors' slots and metadata."""
+
+    launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+    def __init__(self, raw, indices: set, metas: list, scratch: int = 0):
+        launcher, tensordesc_indices, tensordesc_meta = raw, indices, metas
+        self.global_scratch_size = scratch
+
+        def inner(*args):  # Triton's wrapper encodes here; the binary must not call it
+            raise AssertionError((launcher, tensordesc_indices, tensordesc_meta))
+
+        self.launch = inner
+
+
+class _DescriptorCompiled(_Compiled):
+    def __init__(self, calls, runner):
+        super().__init__(calls)
+        self.run = runner
+
+
+@pytest.fixture
+def descriptor_wrapper(monkeypatch):
+    """Triton 3.5-3.6's launcher layout, with an encoding that records what it encodes."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    encoded = []
+
+    def encode(desc, meta):
+        encoded.append((desc.base.data_ptr(), meta))
+        return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    return encoded
+
+
+def test_a_binary_encodes_each_descriptor_once_per_address(direct_launch, descriptor_wrapper):
+    """Where Triton's launcher wraps its C launcher to encode every tensor descriptor on every launch
+    (Triton 3.5-3.6), a binary calls the C launcher itself with the same arguments, each descriptor's
+    encoding made once per slot, address, padding, shape and strides."""
+    from sdpatch.kernels.flash_fwd_hopper import BoundDescriptor
+
+    runtime, encoded = direct_launch, descriptor_wrapper
+    launched = []
+    runner = _DescriptorRunner(lambda *args: launched.append(args), {0, 2}, [{"swizzle": 128}, {"swizzle": 32}])
+    x, a, b, c = torch.zeros(4), torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(2, 8)
+
+    def desc(t):
+        return BoundDescriptor(t, list(t.shape), list(t.stride()))
+
+    binary = runtime.Binary(_DescriptorCompiled([], runner), (16, True), (desc(a), x, desc(b), 7))
+    for first in (a, a, c):
+        binary((3, 1, 1), (desc(first), x, desc(b), 7))
+    base = (3, 1, 1, 0x5EA, 0xF00, False, True, None, None, (4, 1, 0), None, None, None)
+    assert encoded == [(a.data_ptr(), {"swizzle": 128}), (b.data_ptr(), {"swizzle": 32}), (c.data_ptr(), {"swizzle": 128})]
+    assert launched[-1] == (*base, ("map", c.data_ptr(), {"swizzle": 128}), 2, 8, 8, 1, x.data_ptr(),
+                            ("map", b.data_ptr(), {"swizzle": 32}), 2, 4, 4, 1, 7, 16, True)
+    assert launched[0][13] is launched[1][13] and len(launched) == 3  # the same encoding, reused
+
+
+@pytest.mark.parametrize("runner", ["no wrapper", "scratch memory"])
+def test_other_launchers_keep_tritons_encoding(direct_launch, descriptor_wrapper, runner):
+    """A launcher without that wrapper, or one that takes scratch memory, is called as before."""
+    calls = []
+    compiled = _Compiled(calls) if runner == "no wrapper" else _DescriptorCompiled(calls, _DescriptorRunner(None, {0}, [{}], scratch=64))
+    assert direct_launch.Binary(compiled, ()).encoded is None
+
+
 def test_hooked_launches_go_through_tritons_runner(direct_launch, monkeypatch):
     """With a launch hook registered (a profiler such as proton), the binary is launched through
     Triton's runner, which calls the hooks, instead of straight through its C launcher."""

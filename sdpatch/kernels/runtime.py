@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field, is_dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -112,10 +112,11 @@ class Binary:
     Tensors go to the launcher as their addresses: given a tensor, it asks the driver
     (``cuPointerGetAttribute``) whether the address is a device pointer, about a microsecond per
     tensor on the host. The launch plans' keys already fix each tensor's device, so the check can
-    tell nothing new.
+    tell nothing new. Tensor descriptors go with their encodings reused where this Triton's
+    launcher would make them anew every launch (:class:`EncodedLauncher`).
     """
 
-    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream", "pointers")
+    __slots__ = ("compiled", "consts", "run", "function", "metadata", "device", "current_stream", "pointers", "encoded")
 
     def __init__(self, compiled, consts: tuple, args: tuple = ()):
         self.compiled, self.consts = compiled, consts
@@ -123,16 +124,85 @@ class Binary:
         self.device, self.current_stream = current_device_and_stream()
         # The argument slots that hold tensors; a plan's key fixes which do.
         self.pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.encoded = _encoded_launcher(compiled.run)
 
     def __call__(self, grid: tuple, args: tuple) -> None:
         if launch_hooked():
             self.compiled[grid](*args, *self.consts)
+            return
+        if self.encoded is not None:
+            self._launch_encoded(grid, args)
             return
         values = list(args)
         for i in self.pointers:
             values[i] = values[i].data_ptr()
         self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
                  *values, *self.consts)
+
+
+    def _launch_encoded(self, grid: tuple, args: tuple) -> None:
+        """The launch with each tensor descriptor's encoding looked up by its slot, base address,
+        padding, shape and strides, and made only where it is new (see :class:`EncodedLauncher`)."""
+        enc = self.encoded
+        values = []
+        for i, a in enumerate(args):
+            meta = enc.slots.get(i)
+            if meta is not None:
+                key = (i, a.base.data_ptr(), a.padding, *a.shape, *a.strides)
+                encoded = enc.maps.get(key)
+                if encoded is None:
+                    if len(enc.maps) >= MAX_ENCODED:
+                        enc.maps.clear()
+                    encoded = enc.maps[key] = enc.encode(a, meta)
+                values += encoded
+            else:
+                values.append(a.data_ptr() if i in self.pointers else a)
+        enc.launch(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, enc.cooperative, enc.pdl,
+                   None, None, self.metadata, None, None, None, *values, *self.consts)
+
+
+# A TMA descriptor's encoding (a CUtensorMap: address, shape, strides, padding, and the box and
+# swizzle its slot fixes) is made once per (slot, address, padding, shape, strides); an eager UNet's
+# layers reuse a few dozen addresses per layout, which the caching allocator hands out again every step.
+MAX_ENCODED = 256
+
+
+class EncodedLauncher(NamedTuple):
+    """A compiled kernel's C launcher under Triton's tensor-descriptor wrapper (Triton 3.5-3.6):
+    that wrapper encodes every descriptor argument into a CUtensorMap on every launch
+    (``make_tensordesc_arg``, a few microseconds each; the Gluon forward takes eight at split head
+    dims). :meth:`Binary._launch_encoded` hands the launcher the same arguments with the encodings
+    reused."""
+
+    launch: Callable  # the C launcher: grid, stream, function, launch flags, scratch, metadata, hooks, arguments
+    slots: dict  # argument slot -> its descriptor's metadata
+    encode: Callable  # (descriptor, metadata) -> [CUtensorMap, *shape, *strides]
+    cooperative: bool
+    pdl: bool
+    maps: dict  # (slot, address, padding, *shape, *strides) -> the encoded arguments
+
+
+def _encoded_launcher(runner) -> EncodedLauncher | None:
+    """The :class:`EncodedLauncher` of a compiled kernel's runner, where it takes descriptors and
+    its launcher has the layout of Triton 3.5-3.6 (flat base arguments, no scratch memory); else
+    None, and its launches go through Triton's wrapper."""
+    wrapper = getattr(runner, "launch", None)
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or closure is None:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None
+    metas = cells["tensordesc_meta"]
+    if (getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or not metas or None in metas
+            or getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1)):
+        return None
+    return EncodedLauncher(cells["launcher"], dict(zip(sorted(cells["tensordesc_indices"]), metas)), driver.make_tensordesc_arg,
+                           runner.launch_cooperative_grid, runner.launch_pdl, {})
 
 
 def launch(kernel, grid: tuple, args: tuple, consts: dict, binaries: dict, key) -> None:
