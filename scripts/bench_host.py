@@ -30,6 +30,7 @@ top of a cProfile of each, to find what an eager denoising step spends beyond st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -80,8 +81,10 @@ def calls(c: Case, device: str) -> dict:
 
 
 def layer_calls(c: Case, device: str) -> dict:
-    """{name: zero-argument call}: one diffusers ``Attention`` layer's forward without gradients,
-    with its stock ``AttnProcessor2_0`` and with sdpatch's processor (the layer patch_unet sets)."""
+    """({name: zero-argument call}, {name: context factory}): one diffusers ``Attention`` layer's
+    forward without gradients, with its stock ``AttnProcessor2_0`` and with sdpatch's processor (the
+    layer patch_unet sets) under each launch policy (:func:`launch_policy`), which its calls must be
+    made in."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
     from sdpatch.processor import SdpatchAttnProcessor
@@ -99,30 +102,35 @@ def layer_calls(c: Case, device: str) -> dict:
                 return processor(layer, x, context)
         return run
 
-    def fa2_only():  # the same layer with the Gluon forward switched off: the FA2 Triton kernel serves
-        from sdpatch.kernels import flash_fwd_hopper
+    # Each sdpatch variant keeps its own map of eager repeats (the fast path launches what served a
+    # layout first), and its own forward launch policy: the default; the Gluon forward off, so that
+    # the FA2 Triton kernel serves; the Gluon forward serving eager calls wherever it serves.
+    return ({"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": call(ours),
+             "sdpatch gluon layer": call(ours)},
+            {"sdpatch layer": launch_policy(), "sdpatch fa2 layer": launch_policy(gluon=False),
+             "sdpatch gluon layer": launch_policy(gluon_min_flop=0)})
 
-        enabled, flash_fwd_hopper.ENABLED = flash_fwd_hopper.ENABLED, False
+
+def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None):
+    """A context factory: inside, sdpatch's forward launches with the Gluon kernel on or off and
+    ``EAGER_GLUON_MIN_FLOP`` at ``gluon_min_flop`` (None: as shipped), and eager calls repeat from
+    a map of this policy's own."""
+    from sdpatch.attention import faults
+    from sdpatch.kernels import flash_fwd_hopper, forward
+
+    repeats: dict = {}
+
+    @contextlib.contextmanager
+    def policy():
+        saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP
+        faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
+        forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
         try:
-            return call(ours)()
+            yield
         finally:
-            flash_fwd_hopper.ENABLED = enabled
+            faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP = saved
 
-    def gluon_eager():  # the same layer with the Gluon forward serving eager calls of every size where it serves
-        from sdpatch.attention import faults
-        from sdpatch.kernels import forward
-
-        # The repeat path would launch what served the layout before (the default's Triton kernel); the
-        # full path sees the threshold, and a Gluon launch leaves no repeat behind.
-        threshold, forward.EAGER_GLUON_MIN_FLOP = forward.EAGER_GLUON_MIN_FLOP, 0
-        faults.repeats.clear()
-        try:
-            return call(ours)()
-        finally:
-            forward.EAGER_GLUON_MIN_FLOP = threshold
-
-    return {"stock layer": call(stock), "sdpatch layer": call(ours), "sdpatch fa2 layer": fa2_only,
-            "sdpatch gluon layer": gluon_eager}
+    return policy
 
 
 def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
@@ -241,22 +249,26 @@ def host_us(fn, iters: int, device: str) -> list[float]:
     return alternating_us({"fn": fn}, iters, device)["fn"]
 
 
-def alternating_us(fns: dict, iters: int, device: str, rounds: int = 5) -> dict[str, list[float]]:
+def alternating_us(fns: dict, iters: int, device: str, rounds: int = 5, contexts: dict | None = None) -> dict[str, list[float]]:
     """us per call of each of ``fns``, one figure per round of ``iters`` unsynchronized calls, after a
     warm-up; the calls take turns, each round in the reverse order of the one before (ABBA), so that
-    a drift in the host's speed reaches each alike."""
+    a drift in the host's speed reaches each alike. ``contexts``: {name: context factory} that each
+    of that name's runs is inside."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for fn in fns.values():
-        for _ in range(min(iters, 20)):
-            fn()
+    contexts = contexts or {}
+    for name, fn in fns.items():
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(min(iters, 20)):
+                fn()
     sync()
     runs, order = {name: [] for name in fns}, list(fns)
     for _ in range(rounds):
         for name in order:
-            t = time.perf_counter()
-            for _ in range(iters):
-                fns[name]()
-            runs[name].append((time.perf_counter() - t) / iters * 1e6)
+            with contexts.get(name, contextlib.nullcontext)():
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fns[name]()
+                runs[name].append((time.perf_counter() - t) / iters * 1e6)
             sync()
         order.reverse()
     return runs
@@ -361,7 +373,8 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
             print(f"{c.name:14s}   {name:34s} host us/call: best {min(runs):6.1f}", flush=True)
     layer_rows = []
     for c in LAYER_CASES if device == "cuda" and "layers" in parts_run else []:
-        for name, runs in alternating_us(layer_calls(c, device), iters, device).items():
+        fns, contexts = layer_calls(c, device)
+        for name, runs in alternating_us(fns, iters, device, contexts=contexts).items():
             layer_rows.append(dict(case=c.name, impl=name, best_us=min(runs), median_us=statistics.median(runs)))
             print(f"{c.name:20s} {name:14s} us/call: best {min(runs):6.1f}  median {statistics.median(runs):6.1f}", flush=True)
     print(environment())
@@ -375,7 +388,9 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
             theirs, ours, fa2, gluon = (med[c.name, n] for n in ("stock layer", "sdpatch layer", "sdpatch fa2 layer", "sdpatch gluon layer"))
             print(f"| {c.name} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {fa2:.1f} | {fa2 / theirs:.2f} | {gluon:.1f} | {gluon / theirs:.2f} |")
         for c in LAYER_CASES[:1] + LAYER_CASES[-1:]:
-            print(c.name, "sdpatch layer", profile_top(layer_calls(c, device)["sdpatch layer"], iters, lines=25), sep="\n")
+            fns, contexts = layer_calls(c, device)
+            with contexts["sdpatch layer"]():
+                print(c.name, "sdpatch layer", profile_top(fns["sdpatch layer"], iters, lines=25), sep="\n")
     print("| case | call | sdpatch us | SDPA us | difference us |")
     print("|---|---|---|---|---|")
     best = {(r["case"], r["impl"]): r["best_us"] for r in rows}
