@@ -139,7 +139,6 @@ class Binary:
         self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
                  *values, *self.consts)
 
-
     def _launch_encoded(self, grid: tuple, args: tuple) -> None:
         """The launch with each tensor descriptor's encoding looked up by its slot, base address,
         padding, shape and strides, and made only where it is new (see :class:`EncodedLauncher`)."""
