@@ -75,6 +75,22 @@ def test_op_gradients_match_float64():
         assert rel_err(got, want) < RTOL
 
 
+def test_forward_op_launches_as_captured_calls(monkeypatch):
+    # Compiled code reaches the kernels only through the op; under mode="reduce-overhead" its calls
+    # are a CUDA graph's warm-up and capture, which take the kernel that is fastest on replay.
+    forward = importlib.import_module("sdpatch.kernels.forward")
+    depths = []
+    real = forward.flash_attn_fwd
+
+    def spy(*args, **kwargs):
+        depths.append(forward._capture_depth)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "flash_attn_fwd", spy)
+    ops.flash_fwd(*qkv(1, 1, 16, 16, 16), None, 0.25, False)
+    assert depths == [1] and forward._capture_depth == 0
+
+
 def _small_inputs(unet) -> dict:
     kw = arch.unet_inputs(unet, batch=1)
     kw["sample"] = kw["sample"][..., :8, :8].contiguous()  # 64 tokens: cheap in the interpreter

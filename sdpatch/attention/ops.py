@@ -7,7 +7,12 @@ and the forward's autograd formula is the backward op. Inductor treats them as o
 a compiled UNet keeps sdpatch's attention and fuses everything around it.
 
 Eager calls do not go through these ops: :func:`sdpatch.attention.attention` calls the launchers
-directly there, since the dispatcher's host time per call shows on host-bound UNet steps.
+directly there, since the dispatcher's host time per call shows on host-bound UNet steps. So the
+forward op launches as a CUDA graph's calls do (:func:`sdpatch.kernels.forward.for_capture`: the
+Gluon kernel wherever it serves, not only past the eager threshold): ``mode="reduce-overhead"``
+warms the compiled code up eagerly and then captures it, and its replays cost no host time per
+launch, while compiled code without graphs spends less host time between launches than an eager
+UNet does.
 """
 
 from typing import Optional, Tuple  # the ops' schemas are read from these hints: no postponed annotations
@@ -20,9 +25,10 @@ from torch import Tensor
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, return_lse: bool) -> Tuple[Tensor, Tensor]:
     """(out, lse): attention of (B, H, Nq, D) q over (B, H, Nk, D) k and v, and the fp32 (B, H, Nq)
     base-2 log-sum-exp, or an empty lse unless ``return_lse`` (an op cannot return None)."""
-    from ..kernels.forward import flash_attn_fwd
+    from ..kernels.forward import flash_attn_fwd, for_capture
 
-    out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=return_lse)
+    with for_capture():
+        out, lse = flash_attn_fwd(q, k, v, scale, mask, return_lse=return_lse)
     return out, (lse if lse is not None else q.new_empty((0,), dtype=torch.float32))
 
 
