@@ -23,6 +23,8 @@ def qkv(dtype=torch.float16, D=40, layout="bnhd", Nq=64, Nk=64):
     def r(n):
         if layout == "bnhd":  # diffusers' (B, N, H, D) memory
             return torch.randn(2, n, 3, D, dtype=dtype).transpose(1, 2)
+        if layout == "fused":  # q, k or v of diffusers' fused projections: (B, N, 3, H, D) memory, not dense
+            return torch.randn(2, n, 3, 3, D, dtype=dtype)[:, :, 0].transpose(1, 2)
         if layout == "sliced":  # last dim contiguous, base 6 bytes past a 16-byte boundary
             return torch.randn(2, 3, n, D + 8, dtype=dtype)[..., 3 : D + 3]
         return torch.randn(2, 3, n, D, dtype=dtype)
@@ -291,25 +293,28 @@ def test_while_a_gluon_layout_compiles_in_the_background_sdpa_stands_in(monkeypa
     assert runtime.stood_in() == served + 3  # the Triton kernel served the last call
 
 
+@pytest.mark.parametrize("layout", ["bnhd", "fused"])
 @pytest.mark.parametrize("sms,pieces", [(132, 0), (5, 4)], ids=["whole-grid", "split-grid"])
-def test_a_repeat_launches_the_layouts_binaries_on_new_tensors(monkeypatch, sms, pieces):
+def test_a_repeat_launches_the_layouts_binaries_on_new_tensors(monkeypatch, sms, pieces, layout):
     """An eager repeat of a layout that launched from its binaries: the same launches as the plan's
     path would make on the new tensors (grids, descriptors, scalars), a fresh output, and with a
-    split grid one fresh workspace that the combine reads."""
+    split grid one fresh workspace that the combine reads. Fused projections' q is not dense: its
+    output is laid out otherwise (``empty_like``), and the output's descriptor and strides follow."""
     from sdpatch.kernels.runtime import LAUNCHED, Plan
 
     monkeypatch.setattr(fh, "sm_count", lambda device: sms)
     monkeypatch.setattr(fh, "_plans", {})
-    q, k, v = qkv(D=40, Nq=512, Nk=512)
+    q, k, v = qkv(D=40, Nq=512, Nk=512, layout=layout)
     assert fh.gluon_repeat(q, k, v, 0.25) is None  # the layout has not launched
     plan = fh._plans[fh._plan_key(q, k, v, False)] = Plan({}, later=LAUNCHED)
     assert fh.gluon_repeat(q, k, v, 0.25) is None  # nor compiled its binaries
     calls = []
     plan.binaries = {("gluon", i): lambda grid, args, i=i: calls.append((i, grid, args)) for i in range(1 + (pieces > 0))}
     again = fh.gluon_repeat(q, k, v, 0.25)
-    q2, k2, v2 = qkv(D=40, Nq=512, Nk=512)
+    q2, k2, v2 = qkv(D=40, Nq=512, Nk=512, layout=layout)
     out = again(q2, k2, v2)
-    assert out.shape == q2.shape and out.stride() == q2.stride() and out is not q2
+    assert out.shape == q2.shape and out.stride() == torch.empty_like(q2).stride() and out is not q2
+    assert (out.stride() == q2.stride()) == (layout == "bnhd")
     expected = fh.launches(q2, k2, v2, out, None, 0.25, bound=True)
     assert [i for i, *_ in calls] == list(range(len(expected))) and (len(expected) > 1) == (pieces > 0)
 

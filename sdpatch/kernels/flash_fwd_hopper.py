@@ -805,7 +805,9 @@ def gluon_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     plan = _plans.get(_plan_key(q, k, v, False))
     if plan is None or plan.later not in (None, LAUNCHED):
         return None
-    runs = launches(q, k, v, q, None, scale, bound=True)  # out is laid out as q (empty_like)
+    # The output's template is laid out as every call's (empty_like), which differs from q's where q
+    # is not dense (a fused projection's view).
+    runs = launches(q, k, v, torch.empty_like(q), None, scale, bound=True)
     if any(("gluon", i) not in plan.binaries for i in range(len(runs))):
         return None
     (kernel, grid, args, consts), combine = runs[0], runs[1:]
