@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import subprocess
@@ -286,3 +287,25 @@ def environment() -> dict:
         "diffusers": diffusers.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None):
+    """A context factory: inside, sdpatch's forward launches with the Gluon kernel on or off and
+    ``EAGER_GLUON_MIN_FLOP`` at ``gluon_min_flop`` (None: as shipped), and eager calls repeat from
+    a map of this policy's own."""
+    from sdpatch.attention import faults
+    from sdpatch.kernels import flash_fwd_hopper, forward
+
+    repeats: dict = {}
+
+    @contextlib.contextmanager
+    def policy():
+        saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP
+        faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
+        forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
+        try:
+            yield
+        finally:
+            faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP = saved
+
+    return policy

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import sdpatch
 
-from _bench import Case, environment
+from _bench import Case, environment, launch_policy
 
 CASES = [Case("self 256", 2, 8, 256, 256, 40), Case("cross 256x77", 2, 8, 256, 77, 40)]
 ITERS = 200
@@ -109,28 +109,6 @@ def layer_calls(c: Case, device: str) -> dict:
              "sdpatch gluon layer": call(ours)},
             {"sdpatch layer": launch_policy(), "sdpatch fa2 layer": launch_policy(gluon=False),
              "sdpatch gluon layer": launch_policy(gluon_min_flop=0)})
-
-
-def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None):
-    """A context factory: inside, sdpatch's forward launches with the Gluon kernel on or off and
-    ``EAGER_GLUON_MIN_FLOP`` at ``gluon_min_flop`` (None: as shipped), and eager calls repeat from
-    a map of this policy's own."""
-    from sdpatch.attention import faults
-    from sdpatch.kernels import flash_fwd_hopper, forward
-
-    repeats: dict = {}
-
-    @contextlib.contextmanager
-    def policy():
-        saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP
-        faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
-        forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
-        try:
-            yield
-        finally:
-            faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP = saved
-
-    return policy
 
 
 def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:

@@ -32,6 +32,7 @@ reference like sdpatch's; a relative error over ``REL_ERR_BUDGET`` is flagged in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -45,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import sdpatch
-from sdpatch.kernels import flash_bwd, flash_bwd_hopper
+from sdpatch.kernels import flash_bwd, flash_bwd_hopper, flash_fwd_hopper
 from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.flash_fwd import kv_tma_ok, tuned_config
 from sdpatch.kernels import forward
@@ -53,12 +54,12 @@ from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.kernels.shared import head_dim_parts
 from sdpatch.attention.naive import attention_ref
 
-from _bench import Case, chosen, environment, paired_ratio, peak_over, rel_err
+from _bench import Case, chosen, environment, launch_policy, paired_ratio, peak_over, rel_err
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
 REF_ROWS = 512  # queries checked against float64 (the reference materializes its scores)
-PAIRED = ("sdpatch", "cudnn", "flash")  # timed in turns, round by round (see measure_paired)
+PAIRED = ("sdpatch", "gluon eager", "cudnn", "flash")  # timed in turns, round by round (see measure_paired)
 PAIRED_MAX_MS = 2.0  # calls longer than this are kernel-bound: the host's drift cannot move their ratios
 REL_ERR_BUDGET = 1e-2  # fp16/bf16 error against float64 past which a result is wrong (check_gpu.py's RTOL)
 
@@ -106,13 +107,14 @@ def naive(q, k, v, scale):
     return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, -1) @ v
 
 
-def measure(row: Row, impl: str, fn, flops: float, out_bytes: int) -> None:
+def measure(row: Row, impl: str, fn, flops: float, out_bytes: int, context=contextlib.nullcontext) -> None:
     try:
-        fn()  # warm-up outside the timing: compile, autotune, cuDNN plans
-        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-        row.ms[impl] = ms
-        row.tflops[impl] = flops / ms / 1e9
-        row.extra_mib[impl] = (peak_over(fn)[1] - out_bytes) / 2**20
+        with context():
+            fn()  # warm-up outside the timing: compile, autotune, cuDNN plans
+            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            row.ms[impl] = ms
+            row.tflops[impl] = flops / ms / 1e9
+            row.extra_mib[impl] = (peak_over(fn)[1] - out_bytes) / 2**20
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend refusing the shape is a result
         row.ms[impl] = row.tflops[impl] = row.extra_mib[impl] = None
         print(f"  {row.case.name}: {impl} unavailable: {str(e).splitlines()[0][:100]}")
@@ -179,7 +181,7 @@ def sdpa_backward(name: str, q, k, v, do, scale: float):
                                                                      0.0, False, scale=scale)
 
 
-def measure_paired(row: Row, fns: dict, rounds: int) -> None:
+def measure_paired(row: Row, fns: dict, rounds: int, contexts: dict | None = None) -> None:
     """sdpatch's per-call speed over cuDNN and flash, timed in turns: each round one short
     ``do_bench`` median per impl, the order reversed every round (ABBA). Per call, a call whose
     host work outlasts its kernels is timed by the host (``bench_host.py``'s anatomy), and the lent
@@ -190,13 +192,17 @@ def measure_paired(row: Row, fns: dict, rounds: int) -> None:
         return
     times = {n: [] for n in names}
     order = list(names)
+    contexts = contexts or {}
     for _ in range(rounds):
         for n in order:
-            times[n].append(do_bench(fns[n], warmup=5, rep=20, return_mode="median"))
+            with contexts.get(n, contextlib.nullcontext)():
+                times[n].append(do_bench(fns[n], warmup=5, rep=20, return_mode="median"))
         order.reverse()
     row.rounds_ms = times
     for n in names[1:]:
         row.paired[n] = paired_ratio(times[n], times["sdpatch"])
+    if "gluon eager" in times and "cudnn" in times:
+        row.paired["gluon eager ×cudnn"] = paired_ratio(times["cudnn"], times["gluon eager"])
 
 
 def reason(e: BaseException) -> str:
@@ -319,6 +325,12 @@ def run_case(c: Case, rounds: int) -> Row:
     if c.sdpatch_backend == "triton" and not c.backward and c.Nk > 128 and kv_tma_ok(k, v):
         # K and V through TMA, forced: by default only the longest kernels take it (host cost).
         impls["kv_tma"] = lambda: flash_attn_fwd(q, k, v, scale, kv_tma=True)[0]
+    contexts = {}
+    if c.sdpatch_backend == "triton" and not c.backward and flash_fwd_hopper.serves(q, k, v, None) \
+            and not forward.gluon_serves(q, k, v, None):
+        # Eager calls stay on the Triton kernel here (EAGER_GLUON_MIN_FLOP): the public call with
+        # the Gluon kernel serving them instead, the measure of where that threshold belongs.
+        impls["gluon eager"], contexts["gluon eager"] = public, launch_policy(gluon_min_flop=0)
     for name, backend in SDPA.items():
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
@@ -395,8 +407,8 @@ def run_case(c: Case, rounds: int) -> Row:
     torch.cuda.synchronize()
     row.first_call_s = time.perf_counter() - t0
     for name, f in impls.items():
-        measure(row, name, f, flops, out_bytes)
-    measure_paired(row, impls, rounds)
+        measure(row, name, f, flops, out_bytes, contexts.get(name, contextlib.nullcontext))
+    measure_paired(row, impls, rounds, contexts)
     if c.sdpatch_backend == "triton":
         row.tuned_config = str(tuned_config(q, k, v, scale))
         measure_graph(row, "sdpatch", lambda: captured(ours), flops)
@@ -428,11 +440,11 @@ def err_cell(x: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    impls = ["sdpatch", "sdpatch.attention", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive", "fa4"]
+    impls = ["sdpatch", "sdpatch.attention", "gluon eager", "one tile", "kv_tma", "cudnn", "flash", "efficient", "naive", "fa4"]
     graphed = ("sdpatch", "sdpatch eager", "two pass", "kv_tma", "cudnn", "flash", "fa4")
     head = ("| case | " + " | ".join(impls) + " | ×cuDNN | ×flash | ×fa4 | graph: " + " / ".join(graphed)
-            + " | graph ×fa4 | rel err (sdpatch / fa4) | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash |")
-    lines = [head, "|" + "---|" * (len(impls) + 11)]
+            + " | graph ×fa4 | rel err (sdpatch / fa4) | extra MiB (sdpatch / naive) | first call s | paired ×cuDNN | paired ×flash | gluon eager, paired ×cuDNN |")
+    lines = [head, "|" + "---|" * (len(impls) + 12)]
     for r in rows:
         t, g = r.tflops, r.graph_tflops
         ours = t.get("sdpatch")
@@ -446,7 +458,7 @@ def table(rows: list[Row]) -> str:
             + f" | {' / '.join(fmt(g.get(i)) for i in graphed)} | {graph_ratio}"
             + f" | {err_cell(r.rel_err)} / {err_cell(r.fa4_rel_err)}"
             + f" | {fmt(r.extra_mib.get('sdpatch'), '.1f')} / {fmt(r.extra_mib.get('naive'), '.0f')} | {fmt(r.first_call_s, '.1f')}"
-            + "".join(f" | {paired(r.paired.get(i))}" for i in ("cudnn", "flash")) + " |"
+            + "".join(f" | {paired(r.paired.get(i))}" for i in ("cudnn", "flash", "gluon eager ×cudnn")) + " |"
         )
     return "\n".join(lines)
 
