@@ -48,6 +48,8 @@ def qkv(B, H, Nq, Nk, D, dtype, layout):
     def r(n):
         if layout == "bnhd":
             return torch.randn(B, n, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+        if layout == "fused":  # a fused projection's q, k or v (fuse_qkv_projections): not dense
+            return torch.randn(B, n, 3, H, D, device="cuda", dtype=dtype)[:, :, 0].transpose(1, 2)
         if layout == "sliced":
             return torch.randn(B, H, n, D + 8, device="cuda", dtype=dtype)[..., 3 : D + 3]
         return torch.randn(B, H, n, D, device="cuda", dtype=dtype)
@@ -66,6 +68,7 @@ CASES = [
     (2, 8, 1024, 1024, 80, torch.float16, None, "bnhd"),  # SD 1.5 at 512 x 512: the Gluon kernel serves hd80 and hd160
     (2, 8, 256, 256, 160, torch.bfloat16, None, "bnhd"),
     (2, 10, 4096, 4096, 64, torch.float16, None, "bnhd"),
+    (2, 10, 4096, 4096, 64, torch.float16, None, "fused"),  # fuse_qkv_projections: its output laid out unlike q
     (2, 20, 1024, 1024, 64, torch.float16, None, "bnhd"),  # SDXL's level 3: on an H200, tiles of two sizes
     (1, 4, 97, 97, 40, torch.float32, "bool", "contiguous"),
     (1, 2, 1, 1, 1, torch.float16, None, "contiguous"),
