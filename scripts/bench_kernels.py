@@ -17,7 +17,10 @@ sdpatch's per-call figures are eager calls, on the forward variant the launch la
 its kernel time is that of the calls a CUDA graph holds (``sdpatch.kernels.forward.for_capture``):
 on Hopper below ``EAGER_GLUON_MIN_FLOP`` these are the Triton and the Gluon kernel respectively, so
 the forward's eager kernel is also timed by graph replay on its own ("sdpatch eager" among the
-graph columns): per call against cuDNN, it is the kernel that runs.
+graph columns): per call against cuDNN, it is the kernel that runs. Where that is the Triton kernel
+and the Gluon one would serve, "gluon eager" is the public call with the Gluon kernel serving eager
+calls too (``EAGER_GLUON_MIN_FLOP`` at 0, its own repeat map), timed per call and paired with cuDNN:
+where that threshold belongs.
 On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
 the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
 
