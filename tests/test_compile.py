@@ -162,6 +162,30 @@ def test_compiled_call_takes_the_backend_chosen_at_trace_time():
     assert not any("sdpatch" in t for t in seen)
 
 
+@pytest.mark.parametrize("backend, graphs_expected", [
+    pytest.param("triton", 2, id="triton"),  # one per head dim: the op takes any sequence lengths
+    pytest.param("chunked", 3, id="chunked"),  # and per query length: its chunks are a Python loop over it
+    pytest.param("auto", 3, id="auto-is-chunked-on-cpu"),
+])
+def test_dynamic_shape_trace_takes_each_head_dim_as_a_constant(backend, graphs_expected):
+    """``dynamic=True`` (or dynamo's automatic dynamic shapes after a recompile) traces the head dim
+    as a symbol; the backend's choice, made once per trace, specializes it, and each call matches
+    float64."""
+    torch._dynamo.reset()  # the lambda's code is shared by the parameters: each starts with no graphs
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: sdpatch.attention(q, k, v, backend=backend), fullgraph=True, dynamic=True,
+                       backend=recording)
+    for B, H, Nq, Nk, D in [(1, 2, 16, 9, 24), (1, 2, 20, 12, 24), (1, 2, 16, 9, 32)]:  # distinct sizes: dynamo gives equal ones one symbol
+        q, k, v = qkv(B, H, Nq, Nk, D)
+        assert rel_err(fn(q, k, v), attention_ref(q.double(), k.double(), v.double())) < RTOL, (Nq, Nk, D)
+    assert len(graphs) == graphs_expected
+
+
 def test_compiled_call_raises_instead_of_retrying(monkeypatch):
     """Inside a trace there is no retry: a kernel failure reaches the caller as it is."""
     import sdpatch.kernels.forward as kernels

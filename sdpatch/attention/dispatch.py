@@ -7,6 +7,7 @@ added to the scaled scores; a query row whose keys are all masked out gives zero
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import torch
@@ -138,7 +139,9 @@ def attention(
     if compiling:  # chosen once, at trace time; no retries inside a graph
         if q.numel() == 0:
             return q * 0
-        name = _traced_choice(q.device, q.dtype, q.shape[-1], backend)
+        # A dynamic-shape trace may carry the head dim as a symbol; index() makes it a constant of the
+        # trace (guarded: another head dim traces again), which the choice needs.
+        name = _traced_choice(q.device, q.dtype, operator.index(q.shape[-1]), backend)
         return REGISTRY[name].run(q, k, v, scale, mask, needs_grad, chunk_budget, upcast)
     key = (q.device, q.dtype, q.shape[-1], backend) if faults.cached(q) else None
     choice = faults.choices.get(key) if key else None
