@@ -50,18 +50,17 @@ def dynamic_regions(unet) -> None:
       (``force_parameter_static_shapes`` alone changes nothing);
     - ``nn.LayerNorm``, which hands ``F.layer_norm`` its ``normalized_shape`` as ints;
     - inductor's convolution lowering, which fixes the weight's shape: convolutions here go through
-      an opaque op (:func:`conv2d`), so that inductor calls cuDNN as it would but knows no channels;
+      an opaque op (:func:`_conv_op`), so that inductor calls cuDNN as it would but knows no channels;
     - ``ResnetBlock2D.output_scale_factor``: an int in the mid block, a float elsewhere.
     """
     import torch
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.force_parameter_static_shapes = False
-    dynamo_config.force_nn_module_property_static_shapes = False
     from sdpatch.speed import COMPILED_BLOCKS
 
+    dynamo_config.force_parameter_static_shapes = False
+    dynamo_config.force_nn_module_property_static_shapes = False
     last_dim_layer_norm, opaque_conv = _layer_classes()
-
     for block in unet.modules():
         if type(block).__name__ not in COMPILED_BLOCKS:
             continue
