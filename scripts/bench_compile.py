@@ -11,8 +11,8 @@ Configurations:
 - ``graphs``: the patched UNet under sdpatch's CUDA graphs, nothing compiled;
 - ``regional``: ``--compile``, :func:`sdpatch.speed.compile_blocks` under sdpatch's graphs;
 - ``regional-dynamic``: an experiment toward a faster first compile, the same regions with dynamic
-  shapes made to merge (:func:`dynamic_regions`): on the CPU machine they are 3 graphs at SD 1.5's
-  preset against the static regions' 19;
+  shapes made to merge (:func:`dynamic_regions`): on the CPU machine 3 graphs at SD 1.5 against the
+  static regions' 19, 5 predicted with sdpatch's attention (its scale, a float, fixes one per head dim);
 - ``transformer-blocks``: diffusers' ``compile_repeated_blocks(fullgraph=True)`` (its
   ``_repeated_blocks``, the transformer blocks alone, dynamo's default shapes) under sdpatch's graphs.
 
