@@ -81,15 +81,15 @@ _failed: list[str] = []  # a launch that raised: the Triton kernel serves every 
 
 def config_for(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, CONSUMERS): a consumer warpgroup's query rows, the key tile, the K
-    and V ring's stages, and consumer warpgroups a program, from probes on an H200 (CUDA-graph
-    replay, TFLOP/s). Head dims under 64: two consumers of 128 rows and 64-key tiles (hd40 4096:
-    280; 128-key tiles spill). Head dim 64: three of 64 rows, as FlashAttention-3 (hd64 1024: 355 against 300 for two;
-    4096: 427 against 424). Above: two of 64 rows and 128-key tiles (hd80 4096: 453 against 263
-    for three, which spill; hd160 1024: 548-557 against 508 for 64-key tiles), and 64-key tiles past
-    160, whose 128-key stages would not fit in shared memory."""
-    if head_dim < 64:
-        return 128, 64, 2, 2
-    if head_dim == 64:
+    and V ring's stages, and consumer warpgroups a program, from CUDA-graph replay, TFLOP/s
+    (``scripts/sweep_gluon_fwd.py``). Head dims up to 64: three consumers of 64 rows and 128-key
+    tiles, FlashAttention-3's and -4's 192 x 128 tile (H100, 2026-12-07: hd40 16384 344 against 292
+    for two consumers of 128 rows and 64-key tiles, hd40 4096 295 against 283; hd64 4096 466 against
+    397, hd64 1024 378 against 293; 3 stages and 64-key tiles slower). Above: two of 64 rows and
+    128-key tiles (H200: hd80 4096 453 against 263 for three, which spill; hd160 1024 548-557 against
+    508 for 64-key tiles), and 64-key tiles past 160, whose 128-key stages would not fit in shared
+    memory."""
+    if head_dim <= 64:
         return 64, 128, 2, 3
     return (64, 128, 2, 2) if head_dim <= 160 else (64, 64, 2, 2)
 
