@@ -3,12 +3,13 @@
 Two variants compute the same function: the Gluon Hopper kernel (:mod:`.flash_fwd_hopper`) for
 unmasked self-attention on sm_90 wherever its grid fills the GPU (:func:`flash_fwd_hopper.serves`),
 where its kernel time measured 1.03-1.3x the Triton kernel's, and the FlashAttention-2-style Triton
-kernel (:mod:`.flash_fwd`) for every other call. A Gluon launch costs the host more: its TMA
-descriptors are encoded per call, 80-160 us of host time against the Triton kernel's ~30 on the lent
-H200 hosts. So the Gluon kernel serves calls that will be replayed from a CUDA graph
-(:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's warm-up and capture, so
-that the kernel it captures is the one its warm-up compiled), and eager calls only where the kernel
-is long enough to hide that host time (:data:`EAGER_GLUON_MIN_FLOP`). A Gluon kernel takes 2-3.5 s
+kernel (:mod:`.flash_fwd`) for every other call. A Gluon launch costs the host more: eight TMA
+descriptors, and where its last wave is split a second launch and a workspace. An eager repeat of
+a layout (:func:`repeat_launcher`) reuses the descriptors' encodings: 24-41 us of host time against
+the Triton kernel's ~17 on a lent H100 host. So the Gluon kernel serves calls that will be replayed
+from a CUDA graph (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's
+warm-up and capture, so that the kernel it captures is the one its warm-up compiled), and eager
+calls from :data:`EAGER_GLUON_MIN_FLOP` on, where its faster kernel outweighs that host time. A Gluon kernel takes 2-3.5 s
 to compile, the Triton kernel 0.5-1: a CUDA graph's warm-up has both compiled in the background
 (:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA stands in for them
 until they are done (:func:`stand_in`; the graph is then captured again). A Gluon launch that raises
@@ -31,15 +32,17 @@ from .runtime import count_stand_in, vector_align
 logger = logging.getLogger(__name__)
 
 
-# Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H200
-# (eager diffusers Attention layers, fp16): the Triton kernel was as fast or faster than the Gluon one
-# in every self-attention layer of SD 1.5 and SDXL up to (2, 10, 4096, 64), 8.6e10 FLOPs, where its
-# layer took 262 us against 582; the crossover above that is not measured. 1.5e11 FLOPs is a
-# kernel of about 0.5 ms, past which the host runs ahead of the GPU.
-# The price is kernel time: by graph replay on an H100 the Triton kernel is 0.81x the Gluon one at
-# (2, 10, 4096, 64) and 0.73x at (2, 8, 1024, 160), and 0.87x and 0.91x cuDNN's, which is what an
-# eager call at those shapes loses to SDPA per call (docs/benchmarks.md).
-EAGER_GLUON_MIN_FLOP = 1.5e11
+# Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H100
+# (2026-12-07, scripts/bench_kernels.py, calls back to back, paired rounds against cuDNN): with the
+# repeat launcher (gluon_repeat: descriptors' encodings reused, grids and scalars worked out once),
+# an eager call on the Gluon kernel was 1.17x cuDNN's speed at (2, 8, 1024, 160), 1.05x at
+# (2, 20, 1024, 64), 1.04x at (2, 10, 4096, 64) and 1.17x at (2, 8, 4096, 40), where the Triton kernel's
+# was 0.90x, 0.98x, 0.87x and 1.01x. Its host time per diffusers layer stayed under stock
+# AttnProcessor2_0's (0.85-0.94x), though above the Triton kernel's (by 10-42 us: two launches and
+# a workspace where the last wave is split). 1e10 FLOPs takes the SD shapes from 1024 tokens at head
+# dim 64 up; smaller grids (hd80 at 1024 tokens, 5.4e9) keep the Triton kernel, whose host time is
+# the lower where the GPU waits on the host.
+EAGER_GLUON_MIN_FLOP = 1e10
 _capture_depth = 0  # > 0 inside for_capture()
 _captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
 
