@@ -10,9 +10,6 @@ Configurations:
 - ``patched-ro``: sdpatch's patched UNet compiled the same way (its attention an opaque custom op);
 - ``graphs``: the patched UNet under sdpatch's CUDA graphs, nothing compiled;
 - ``regional``: ``--compile``, :func:`sdpatch.speed.compile_blocks` under sdpatch's graphs;
-- ``regional-dynamic``: an experiment toward a faster first compile, the same regions with dynamic
-  shapes made to merge (:func:`dynamic_regions`): on the CPU machine 3 graphs at SD 1.5 against the
-  static regions' 19, 5 predicted with sdpatch's attention (its scale, a float, fixes one per head dim);
 - ``transformer-blocks``: diffusers' ``compile_repeated_blocks(fullgraph=True)`` (its
   ``_repeated_blocks``, the transformer blocks alone, dynamo's default shapes) under sdpatch's graphs.
 
@@ -36,80 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("stock-ro", "patched-ro", "graphs", "regional", "regional-dynamic", "transformer-blocks")
+CONFIGS = ("stock-ro", "patched-ro", "graphs", "regional", "transformer-blocks")
 FIRST_CALLS = 4  # past every configuration's tracing, compiling, recording and capture
 WORKER_TIMEOUT_S = 420
-
-
-def dynamic_regions(unet) -> None:
-    """Prepare ``unet``'s :data:`sdpatch.speed.COMPILED_BLOCKS` so that ``dynamic=True`` compiles one
-    graph per block structure instead of one per channel count. What pins a channel count, found on
-    the CPU machine (torch 2.13, dynamo's recompile reasons):
-
-    - built-in modules' parameter shapes, which stay static unless both dynamo flags below are off
-      (``force_parameter_static_shapes`` alone changes nothing);
-    - ``nn.LayerNorm``, which hands ``F.layer_norm`` its ``normalized_shape`` as ints;
-    - inductor's convolution lowering, which fixes the weight's shape: convolutions here go through
-      an opaque op (:func:`_conv_op`), so that inductor calls cuDNN as it would but knows no channels;
-    - ``ResnetBlock2D.output_scale_factor``: an int in the mid block, a float elsewhere.
-    """
-    import torch
-    import torch._dynamo.config as dynamo_config
-
-    from sdpatch.speed import COMPILED_BLOCKS
-
-    dynamo_config.force_parameter_static_shapes = False
-    dynamo_config.force_nn_module_property_static_shapes = False
-    last_dim_layer_norm, opaque_conv = _layer_classes()
-    for block in unet.modules():
-        if type(block).__name__ not in COMPILED_BLOCKS:
-            continue
-        for m in block.modules():
-            if type(m) is torch.nn.LayerNorm and len(m.normalized_shape) == 1:
-                m.__class__ = last_dim_layer_norm
-            elif type(m) is torch.nn.Conv2d and m.groups == 1 and m.dilation == (1, 1) and m.padding_mode == "zeros" \
-                    and isinstance(m.padding, tuple):
-                m.__class__ = opaque_conv
-            elif type(m).__name__ == "ResnetBlock2D":
-                m.output_scale_factor = float(m.output_scale_factor)
-
-
-def _conv_op():
-    """``bench::conv2d``, registered on first use: ``F.conv2d`` that inductor cannot see into."""
-    import torch
-    import torch.nn.functional as F
-
-    if hasattr(torch.ops.bench, "conv2d"):
-        return torch.ops.bench.conv2d
-
-    @torch.library.custom_op("bench::conv2d", mutates_args=(), schema="(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding) -> Tensor")
-    def conv2d(x, w, b, stride, padding):
-        return F.conv2d(x, w, b, stride, padding)
-
-    @conv2d.register_fake
-    def _(x, w, b, stride, padding):
-        rows, cols = ((n + 2 * p - k) // s + 1 for n, p, k, s in zip(x.shape[2:], padding, w.shape[2:], stride))
-        return x.new_empty((x.shape[0], w.shape[0], rows, cols))
-
-    return torch.ops.bench.conv2d
-
-
-def _layer_classes() -> tuple[type, type]:
-    """nn.LayerNorm over the input's last dim whatever its size, and nn.Conv2d through :func:`_conv_op`."""
-    import torch
-    import torch.nn.functional as F
-
-    class LastDimLayerNorm(torch.nn.LayerNorm):
-        def forward(self, x):
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-
-    conv2d = _conv_op()  # registered here: a trace cannot register an op
-
-    class OpaqueConv2d(torch.nn.Conv2d):
-        def forward(self, x):
-            return conv2d(x, self.weight, self.bias, list(self.stride), list(self.padding))
-
-    return LastDimLayerNorm, OpaqueConv2d
 
 
 def worker(config: str, preset: str, size: int) -> dict:
@@ -135,9 +61,6 @@ def worker(config: str, preset: str, size: int) -> dict:
             call = torch.compile(unet, mode="reduce-overhead")
         elif config == "regional":
             speed.compile_blocks(unet)
-        elif config == "regional-dynamic":
-            dynamic_regions(unet)
-            speed.compile_blocks(unet, dynamic=True)
         elif config == "transformer-blocks":
             speed.use_caches()
             unet.compile_repeated_blocks(fullgraph=True)
