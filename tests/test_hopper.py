@@ -59,8 +59,8 @@ def test_cpu_tensors_never_taken():
 
 
 SERVED = [  # (B, H, Nq, Nk, D, served): from 256 keys on, on grids of 128 programs and more (measured on an H200)
-    (2, 8, 4096, 4096, 40, True),  # SD 1.5 level 1: 16 x 16 programs of 2 x 128 rows
-    (2, 8, 1024, 1024, 40, False),  # 4 x 16: the Triton kernel
+    (2, 8, 4096, 4096, 40, True),  # SD 1.5 level 1: 22 x 16 programs of 3 x 64 rows
+    (2, 8, 1024, 1024, 40, False),  # 6 x 16: the Triton kernel
     (2, 20, 1024, 1024, 64, True),  # SDXL level 2: 6 x 40 programs of 3 x 64 rows
     (2, 10, 4096, 4096, 64, True),
     (2, 8, 1024, 1024, 80, True),  # SD 1.5 at 512 x 512: 8 x 16 programs of 2 x 64 rows
@@ -444,7 +444,7 @@ def test_tile_plan_covers_every_row_once(heads, n_q, sms, block_m, consumers, pl
     assert (seen == 1).all()
 
 
-# (B, H, Nq, Nk, D, dtype, SMs): grids whose last wave is split, tiles of 256 (D40), 192 (D64) and
+# (B, H, Nq, Nk, D, dtype, SMs): grids whose last wave is split, tiles of 192 (D40, D64) and
 # 128 rows (D80, D160), rows and keys that tiles do not divide.
 COMBINED = [(2, 1, 300, 1000, 40, torch.float16, 3), (1, 2, 500, 1100, 64, torch.float16, 4),
             (1, 3, 257, 2048, 80, torch.bfloat16, 4), (1, 1, 300, 1024, 160, torch.bfloat16, 2)]
