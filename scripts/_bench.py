@@ -195,6 +195,15 @@ def peak_over(fn) -> tuple[object, int]:
     return out, peaks["allocated"]
 
 
+def graph_tflops(flops: float, fn) -> float:
+    """TFLOP/s of ``fn`` by CUDA-graph replay (kernel time alone, no host time): one call to warm it
+    up (compile, autotune), then ``do_bench_cudagraph``'s median."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    return flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
+
+
 def timed_ms(fn, calls: int = 1) -> float:
     """Wall time per call of ``calls`` back-to-back calls of ``fn`` in ms, between CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

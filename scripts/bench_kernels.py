@@ -46,7 +46,7 @@ from importlib import metadata
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 import sdpatch
 from sdpatch.kernels import flash_bwd, flash_bwd_hopper, flash_fwd_hopper
@@ -57,7 +57,7 @@ from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.kernels.shared import head_dim_parts
 from sdpatch.attention.naive import attention_ref
 
-from _bench import Case, chosen, environment, launch_policy, paired_ratio, peak_over, rel_err
+from _bench import Case, chosen, environment, graph_tflops, launch_policy, paired_ratio, peak_over, rel_err
 
 SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 NAIVE_LIMIT = 48 * 2**30  # bytes of fp16 scores + probabilities past which naive is skipped
@@ -134,8 +134,7 @@ def captured(fn):
 def measure_graph(row: Row, impl: str, fn, flops: float) -> None:
     """Kernel time alone: CUDA-graph replay takes the host (Python, launches) out of the figure."""
     try:
-        fn()
-        row.graph_tflops[impl] = flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
+        row.graph_tflops[impl] = graph_tflops(flops, fn)
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row.graph_tflops[impl] = None
         print(f"  {row.case.name}: {impl} not capturable: {str(e).splitlines()[0][:100]}")
@@ -231,8 +230,7 @@ def measure_fa4_graph(row: Row, fn, flops: float) -> None:
     """FA4's kernel time by CUDA-graph replay, as :func:`measure_graph`; where the capture fails, FA4
     keeps its per-call figure (``do_bench``, host time included) alone, and the output says so."""
     try:
-        fn()
-        row.graph_tflops["fa4"] = flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
+        row.graph_tflops["fa4"] = graph_tflops(flops, fn)
     except Exception as e:  # CuTe DSL and TVM-FFI raise their own types, not RuntimeError alone
         row.graph_tflops["fa4"] = None
         print(f"  {row.case.name}: fa4 not capturable in a CUDA graph ({reason(e)}); timed by do_bench per call only")

@@ -16,7 +16,6 @@ import json
 import math
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 from sdpatch.attention.naive import attention_ref
 from sdpatch.kernels import flash_bwd, flash_bwd_hopper
@@ -24,7 +23,7 @@ from sdpatch.kernels.flash_bwd import flash_attn_bwd
 from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.kernels.runtime import on_device
 
-from _bench import environment, rel_err
+from _bench import environment, graph_tflops, rel_err
 
 CASES = [("hd40 4096", 2, 8, 4096, 40), ("hd40 16384", 2, 8, 16384, 40), ("hd64 4096", 2, 10, 4096, 64),
          ("hd80 4096", 2, 8, 4096, 80), ("hd64 1024", 2, 20, 1024, 64), ("hd128 4096", 2, 8, 4096, 128)]
@@ -69,11 +68,6 @@ def launcher(q: torch.Tensor, *launches):
     return run
 
 
-def tflops(flops: float, fn) -> float:
-    fn()
-    return flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
-
-
 def run_case(name, B, H, N, D) -> dict:
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(4))
@@ -107,7 +101,7 @@ def run_case(name, B, H, N, D) -> dict:
         """One config's kernel time (its ``share`` of the backward's FLOPs) and ``results()``, or
         the error it raised: a config that does not build is a result."""
         try:
-            row["configs"][key] = {"tflops": tflops(flops * share, launcher(q, launch)), **results()}
+            row["configs"][key] = {"tflops": graph_tflops(flops * share, launcher(q, launch)), **results()}
         except Exception as e:  # noqa: BLE001
             row["configs"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(name, key, row["configs"][key], flush=True)
@@ -123,18 +117,18 @@ def run_case(name, B, H, N, D) -> dict:
                    lambda: check(["dk", "dv"], [dk, dv], [bk, bv]))
 
     (dq, bq), (dk, bk), (dv, bv), dl = guarded(q), guarded(k), guarded(v), torch.empty_like(delta)
-    row["all_gluon"] = tflops(flops, launcher(q, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
+    row["all_gluon"] = graph_tflops(flops, launcher(q, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
                                               flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)))
     row["all_gluon_check"] = check(["dq", "dk", "dv"], [dq, dk, dv], [bq, bk, bv])
     flash_bwd_hopper.ENABLED = True
     flash_bwd._bwd_plans.clear()
-    row["gluon_path"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
+    row["gluon_path"] = graph_tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
     g = flash_attn_bwd(do, q, k, v, out, lse, scale)
     row["gluon_path_check"] = check(["dq", "dk", "dv"], g)
     row["gluon_path_served"] = flash_bwd_hopper.serves(q, k, v, do, None)
     flash_bwd_hopper.ENABLED = False
     flash_bwd._bwd_plans.clear()
-    row["two_pass"] = tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
+    row["two_pass"] = graph_tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
     t = flash_attn_bwd(do, q, k, v, out, lse, scale)
     row["two_pass_check"] = check(["dq", "dk", "dv"], t)
     row["gluon_vs_two_pass"] = {n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), t)}
@@ -144,7 +138,7 @@ def run_case(name, B, H, N, D) -> dict:
     qc, kc, vc = (t.contiguous() for t in (q, k, v))
     o, lse_c, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(qc, kc, vc, None, True, scale=scale)
     doc = do.contiguous()
-    row["cudnn"] = tflops(flops, lambda: aten._scaled_dot_product_cudnn_attention_backward(
+    row["cudnn"] = graph_tflops(flops, lambda: aten._scaled_dot_product_cudnn_attention_backward(
         doc, qc, kc, vc, o, lse_c, seed, offset, None, cq, ck, mq, mk, 0.0, False, scale=scale))
     print(name, {k: v for k, v in row.items() if k != "configs"}, flush=True)
     return row

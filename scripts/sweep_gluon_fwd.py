@@ -19,12 +19,11 @@ import json
 import math
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 from sdpatch.attention.naive import attention_ref
 from sdpatch.kernels import flash_fwd_hopper
 
-from _bench import environment, rel_err
+from _bench import environment, graph_tflops, rel_err
 from bench_kernels import fa4, reason
 
 CASES = [("hd40 16384", 2, 8, 16384, 40), ("hd40 65536", 1, 8, 65536, 40), ("hd40 4096", 2, 8, 4096, 40),
@@ -45,11 +44,6 @@ def head_ref(q, k, v) -> torch.Tensor | None:
     return attention_ref(*(t[:1, :1].cpu().double() for t in (q, k, v)))
 
 
-def tflops(flops: float, fn) -> float:
-    fn()
-    return flops / do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e9
-
-
 def run_case(name, B, H, N, D) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
@@ -65,7 +59,7 @@ def run_case(name, B, H, N, D) -> dict:
         try:
             out = flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, config=cfg)[0]
             res = {"err": err(out), "nan": int(out.isnan().sum()),
-                   "tflops": tflops(flops, lambda: flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, config=cfg))}
+                   "tflops": graph_tflops(flops, lambda: flash_fwd_hopper.hopper_attn_fwd(q, k, v, scale, config=cfg))}
         except Exception as e:  # noqa: BLE001 (a config that does not build or fit is a result)
             res = {"error": reason(e)}
         row["configs"][str(cfg)] = res
@@ -73,14 +67,14 @@ def run_case(name, B, H, N, D) -> dict:
 
     aten = torch.ops.aten
     qc, kc, vc = (t.contiguous() for t in (q, k, v))
-    row["cudnn"] = tflops(flops, lambda: aten._scaled_dot_product_cudnn_attention(qc, kc, vc, None, False, scale=scale))
+    row["cudnn"] = graph_tflops(flops, lambda: aten._scaled_dot_product_cudnn_attention(qc, kc, vc, None, False, scale=scale))
     fa = fa4()
     if fa is not None:
         qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         try:
             out = fa.flash_attn_func(qf, kf, vf, softmax_scale=scale)[0].transpose(1, 2)
             row["fa4_err"] = err(out)
-            row["fa4"] = tflops(flops, lambda: fa.flash_attn_func(qf, kf, vf, softmax_scale=scale))
+            row["fa4"] = graph_tflops(flops, lambda: fa.flash_attn_func(qf, kf, vf, softmax_scale=scale))
         except Exception as e:  # noqa: BLE001 (CuTe DSL raises its own types)
             row["fa4"] = None
             row["fa4_error"] = reason(e)

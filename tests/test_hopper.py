@@ -95,7 +95,7 @@ EAGER_OR_CAPTURED = [  # (B, H, Nq, Nk, D, eager, captured): calls fh.serves tak
 
 @pytest.mark.parametrize("B,H,Nq,Nk,D,eager,captured", EAGER_OR_CAPTURED,
                          ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}" for b, h, nq, nk, d, *_ in EAGER_OR_CAPTURED])
-def test_gluon_serves_captured_calls_and_eager_ones_long_enough_to_hide_its_launch(monkeypatch, B, H, Nq, Nk, D, eager, captured):
+def test_gluon_serves_captured_calls_and_eager_ones_past_the_eager_threshold(monkeypatch, B, H, Nq, Nk, D, eager, captured):
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: True)  # as fh.serves takes every case above on an H200
     q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
     assert forward.gluon_serves(q, k, k, None) is eager

@@ -9,12 +9,12 @@ a layout (:func:`repeat_launcher`) reuses the descriptors' encodings: 24-41 us o
 the Triton kernel's ~17 on a lent H100 host. So the Gluon kernel serves calls that will be replayed
 from a CUDA graph (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's
 warm-up and capture, so that the kernel it captures is the one its warm-up compiled), and eager
-calls from :data:`EAGER_GLUON_MIN_FLOP` on, where its faster kernel outweighs that host time. A Gluon kernel takes 2-3.5 s
-to compile, the Triton kernel 0.5-1: a CUDA graph's warm-up has both compiled in the background
-(:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA stands in for them
-until they are done (:func:`stand_in`; the graph is then captured again). A Gluon launch that raises
-(an API this triton lacks) hands every later call to the Triton kernel, with one warning.
-:func:`describe` says which variant, tiling and grid a call gets.
+calls from :data:`EAGER_GLUON_MIN_FLOP` on, where its faster kernel outweighs that host time. A
+Gluon kernel takes 2-3.5 s to compile, the Triton kernel 0.5-1: a CUDA graph's warm-up has both
+compiled in the background (:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's
+SDPA stands in for them until they are done (:func:`stand_in`; the graph is then captured again). A
+Gluon launch that raises (an API this triton lacks) hands every later call to the Triton kernel,
+with one warning. :func:`describe` says which variant, tiling and grid a call gets.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # an eager call on the Gluon kernel was 1.17x cuDNN's speed at (2, 8, 1024, 160), 1.05x at
 # (2, 20, 1024, 64), 1.04x at (2, 10, 4096, 64) and 1.17x at (2, 8, 4096, 40), where the Triton kernel's
 # was 0.90x, 0.98x, 0.87x and 1.01x. Its host time per diffusers layer stayed under stock
-# AttnProcessor2_0's (0.85-0.94x), though above the Triton kernel's (by 10-42 us: two launches and
+# AttnProcessor2_0's (0.82-0.95x), though above the Triton kernel's (by 10-42 us: two launches and
 # a workspace where the last wave is split). 1e10 FLOPs takes the SD shapes from 1024 tokens at head
 # dim 64 up; smaller grids (hd80 at 1024 tokens, 5.4e9) keep the Triton kernel, whose host time is
 # the lower where the GPU waits on the host.
