@@ -83,12 +83,12 @@ def test_serves(monkeypatch, B, H, Nq, Nk, D, served):
 
 
 EAGER_OR_CAPTURED = [  # (B, H, Nq, Nk, D, eager, captured): calls fh.serves takes, by the launch layer's policy
-    (2, 8, 4096, 4096, 40, True, True),  # SD 1.5 at 512², level 1: 4.3e10 FLOPs
-    (2, 10, 4096, 4096, 64, True, True),  # SDXL at 1024², level 2: 8.6e10
-    (2, 20, 1024, 1024, 64, True, True),  # SDXL at 1024², level 3: 1.07e10, just past EAGER_GLUON_MIN_FLOP
-    (2, 8, 1024, 1024, 160, True, True),  # SD 1.5 at 1024², level 3: 1.07e10
-    (2, 8, 1024, 1024, 80, False, True),  # SD 1.5 at 512², level 2: 5.4e9, host-bound: the Triton kernel
-    (2, 8, 16384, 16384, 40, True, True),  # SD 1.5 at 1024², level 1: 6.9e11
+    (2, 8, 4096, 4096, 40, False, True),  # SD 1.5 at 512², level 1: 4.3e10 FLOPs, a host-bound step
+    (2, 10, 4096, 4096, 64, False, True),  # SDXL at 1024², level 2: 8.6e10, a host-bound step
+    (2, 20, 1024, 1024, 64, False, True),  # SDXL at 1024², level 3: 1.07e10
+    (2, 8, 1024, 1024, 160, False, True),  # SD 1.5 at 1024², level 3: 1.07e10
+    (2, 8, 1024, 1024, 80, False, True),  # SD 1.5 at 512², level 2: 5.4e9
+    (2, 8, 16384, 16384, 40, True, True),  # SD 1.5 at 1024², level 1: 6.9e11, past EAGER_GLUON_MIN_FLOP
     (2, 10, 16384, 16384, 64, True, True),  # SDXL at 2048²
 ]
 

@@ -9,7 +9,7 @@ a layout (:func:`repeat_launcher`) reuses the descriptors' encodings: 24-41 us o
 the Triton kernel's ~17 on a lent H100 host. So the Gluon kernel serves calls that will be replayed
 from a CUDA graph (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's
 warm-up and capture, so that the kernel it captures is the one its warm-up compiled), and eager
-calls from :data:`EAGER_GLUON_MIN_FLOP` on, where its faster kernel outweighs that host time. A
+calls from :data:`EAGER_GLUON_MIN_FLOP` on, where a step waits on the GPU, not the host. A
 Gluon kernel takes 2-3.5 s to compile, the Triton kernel 0.5-1: a CUDA graph's warm-up has both
 compiled in the background (:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's
 SDPA stands in for them until they are done (:func:`stand_in`; the graph is then captured again). A
@@ -32,17 +32,15 @@ from .runtime import count_stand_in, vector_align
 logger = logging.getLogger(__name__)
 
 
-# Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel. Measured on an H100
-# (2026-12-07, scripts/bench_kernels.py, calls back to back, paired rounds against cuDNN): with the
-# repeat launcher (gluon_repeat: descriptors' encodings reused, grids and scalars worked out once),
-# an eager call on the Gluon kernel was 1.17x cuDNN's speed at (2, 8, 1024, 160), 1.05x at
-# (2, 20, 1024, 64), 1.04x at (2, 10, 4096, 64) and 1.17x at (2, 8, 4096, 40), where the Triton kernel's
-# was 0.90x, 0.98x, 0.87x and 1.01x. Its host time per diffusers layer stayed under stock
-# AttnProcessor2_0's (0.82-0.95x), though above the Triton kernel's (by 10-42 us: two launches and
-# a workspace where the last wave is split). 1e10 FLOPs takes the SD shapes from 1024 tokens at head
-# dim 64 up; smaller grids (hd80 at 1024 tokens, 5.4e9) keep the Triton kernel, whose host time is
-# the lower where the GPU waits on the host.
-EAGER_GLUON_MIN_FLOP = 1e10
+# Eager calls below this many FLOPs (4·B·H·Nq·Nk·D) stay on the Triton kernel: a kernel of about
+# 0.5 ms, past which the GPU, not the host, sets the pace of a diffusers step. Below it the Gluon
+# kernel wins per call, back to back (on an H100, paired against cuDNN: 1.17x cuDNN's speed at
+# (2, 8, 1024, 160) and 1.05x at (2, 20, 1024, 64), where the Triton kernel's was 0.90x and 0.98x),
+# but costs the host 10-42 us more per layer (two launches and a workspace where its last wave is
+# split), and a whole eager pipeline is host-bound there: with eager calls on the Gluon kernel from
+# 1e10 FLOPs, fresh `sdpatch generate` processes on an H100 took 1.05x stock's s/it at SDXL 1024²
+# and 1.01x at SD 1.5 512², against 1.02x and 0.89x with the Triton kernel (docs/benchmarks.md).
+EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
 _captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
 
