@@ -11,6 +11,8 @@ Configurations (each a fresh process on the same GPU, the same seed and prompt):
 - ``eager-cold``: sdpatch, ``--no-cuda-graphs``, with an empty Triton cache: the first eager run at a
   size, whose new layouts compile in the background while SDPA stands in;
 - ``eager``: the same again, caches warm;
+- ``eager-triton``: ``eager`` with ``SDPATCH_GLUON=0``, the Triton forward serving every call: what the
+  Gluon forward's eager calls (from ``EAGER_GLUON_MIN_FLOP``) gain or cost a host-bound step;
 - ``graphs-cold``: sdpatch's default (CUDA graphs), with an empty Triton cache: the first run at a size;
 - ``graphs``: the same again, caches warm;
 - ``compile-cold`` / ``compile``: ``--compile`` with empty, then warm, inductor and Triton caches;
@@ -46,8 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("stock", "stock-compile", "eager-cold", "eager", "graphs-cold", "graphs", "compile-cold", "compile",
-           "patched-compile")
+CONFIGS = ("stock", "stock-compile", "eager-cold", "eager", "eager-triton", "graphs-cold", "graphs", "compile-cold",
+           "compile", "patched-compile")
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 WORKER_TIMEOUT_S = 420
 # Steady s/it: the later images' median step, each from its third step on. torch.compile's reduce-overhead mode
@@ -62,7 +64,8 @@ def cli_args(config: str, preset: str, size: int, steps: int, images: Path, repo
             "--steps", str(steps), "--seed", "0", "--num-images", str(IMAGES), "-o", str(images),
             "--report-json", str(report), "--overwrite"]
     extra = {"stock": ["--backend", "stock"], "eager-cold": ["--no-cuda-graphs"], "eager": ["--no-cuda-graphs"],
-             "graphs-cold": [], "graphs": [], "compile-cold": ["--compile"], "compile": ["--compile"]}[config]
+             "eager-triton": ["--no-cuda-graphs"], "graphs-cold": [], "graphs": [], "compile-cold": ["--compile"],
+             "compile": ["--compile"]}[config]
     return base + extra
 
 
@@ -70,6 +73,8 @@ def run_config(config: str, preset: str, size: int, steps: int, work: Path, cach
     images, report = work / f"{preset}-{size}-{config}", work / f"{preset}-{size}-{config}.json"
     images.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    if config == "eager-triton":
+        env["SDPATCH_GLUON"] = "0"
     # Cold configurations start from empty caches; the warm ones reuse what their cold run left.
     family = config.removesuffix("-cold")
     if config.endswith("-cold"):

@@ -81,8 +81,9 @@ step() {  # step NAME[=ONLY]: run one step on the GPUs this lane sees
       done
       for p in "${tools[@]}"; do wait "$p" || rc=$?; done ;;
     sweep) $t python3 "$REPO/scripts/sweep_configs.py" ${only:+--only "$only"} --json "$W/sweep${only:+_$only}.json" > "$W/sweep${only:+_$only}.log" 2>&1 || rc=$? ;;
-    gluon)  # gluon=fwd / gluon=bwd: the Gluon Hopper kernels' tile sweeps (sweep_gluon_fwd.py, sweep_gluon_bwd.py)
-      $t python3 "$REPO/scripts/sweep_gluon_${only:-fwd}.py" --json "$W/sweep_gluon_${only:-fwd}.json" > "$W/gluon_${only:-fwd}.log" 2>&1 || rc=$? ;;
+    gluon)  # gluon=fwd / gluon=bwd: the Gluon Hopper kernels' tile sweeps (sweep_gluon_fwd.py, sweep_gluon_bwd.py);
+      # GLUON_CASES="hd40 4096,hd64 4096": those cases only
+      $t python3 "$REPO/scripts/sweep_gluon_${only:-fwd}.py" ${GLUON_CASES:+--only "$GLUON_CASES"} --json "$W/sweep_gluon_${only:-fwd}.json" > "$W/gluon_${only:-fwd}.log" 2>&1 || rc=$? ;;
     bench) $t python3 "$REPO/scripts/bench_kernels.py" ${only:+--only "$only"} --json "$W/bench_kernels.json" > "$W/bench_kernels.log" 2>&1 || rc=$? ;;
     graphs) $t python3 "$REPO/scripts/check_graphs.py" --json "$W/check_graphs.json" > "$W/check_graphs.log" 2>&1 || rc=$? ;;
     e2e) $t python3 "$REPO/scripts/bench_e2e.py" ${only:+--only "$only"} --presets "${E2E_PRESETS:-sd15:512,sd15:1024,sdxl:1024}" --rounds "${E2E_ROUNDS:-2}" \
