@@ -11,8 +11,10 @@ Configurations (each a fresh process on the same GPU, the same seed and prompt):
 - ``eager-cold``: sdpatch, ``--no-cuda-graphs``, with an empty Triton cache: the first eager run at a
   size, whose new layouts compile in the background while SDPA stands in;
 - ``eager``: the same again, caches warm;
-- ``eager-triton``: ``eager`` with ``SDPATCH_GLUON=0``, the Triton forward serving every call: what the
-  Gluon forward's eager calls (from ``EAGER_GLUON_MIN_FLOP``) gain or cost a host-bound step;
+- ``eager-triton``: ``eager`` with ``SDPATCH_GLUON=0``, the Triton forward serving every call, and
+  ``eager-gluon``: ``eager`` with ``EAGER_GLUON_MIN_FLOP`` at 0, the Gluon forward serving every eager
+  call it can: the two ends of the eager launch policy, what the Gluon forward's eager calls gain or
+  cost a host-bound step;
 - ``graphs-cold``: sdpatch's default (CUDA graphs), with an empty Triton cache: the first run at a size;
 - ``graphs``: the same again, caches warm;
 - ``compile-cold`` / ``compile``: ``--compile`` with empty, then warm, inductor and Triton caches;
@@ -48,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("stock", "stock-compile", "eager-cold", "eager", "eager-triton", "graphs-cold", "graphs", "compile-cold",
-           "compile", "patched-compile")
+CONFIGS = ("stock", "stock-compile", "eager-cold", "eager", "eager-triton", "eager-gluon", "graphs-cold", "graphs",
+           "compile-cold", "compile", "patched-compile")
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 WORKER_TIMEOUT_S = 420
 # Steady s/it: the later images' median step, each from its third step on. torch.compile's reduce-overhead mode
@@ -60,12 +62,15 @@ IMAGES = 3
 
 def cli_args(config: str, preset: str, size: int, steps: int, images: Path, report: Path) -> list[str]:
     """The `sdpatch generate` command line of a configuration (None for the worker ones)."""
-    base = [sys.executable, "-m", "sdpatch", "generate", PROMPT, "-m", preset, "-H", str(size), "-W", str(size),
+    # eager-gluon: the CLI in a process whose launch layer sends every eager call the Gluon forward serves to it.
+    run = (["-c", "import sdpatch.kernels.forward as f; f.EAGER_GLUON_MIN_FLOP = 0; import sdpatch.cli; sdpatch.cli.main()"]
+           if config == "eager-gluon" else ["-m", "sdpatch"])
+    base = [sys.executable, *run, "generate", PROMPT, "-m", preset, "-H", str(size), "-W", str(size),
             "--steps", str(steps), "--seed", "0", "--num-images", str(IMAGES), "-o", str(images),
             "--report-json", str(report), "--overwrite"]
     extra = {"stock": ["--backend", "stock"], "eager-cold": ["--no-cuda-graphs"], "eager": ["--no-cuda-graphs"],
-             "eager-triton": ["--no-cuda-graphs"], "graphs-cold": [], "graphs": [], "compile-cold": ["--compile"],
-             "compile": ["--compile"]}[config]
+             "eager-triton": ["--no-cuda-graphs"], "eager-gluon": ["--no-cuda-graphs"], "graphs-cold": [], "graphs": [],
+             "compile-cold": ["--compile"], "compile": ["--compile"]}[config]
     return base + extra
 
 
