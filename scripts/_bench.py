@@ -217,7 +217,8 @@ def timed_ms(fn, calls: int = 1) -> float:
 
 def use_variant(unet, variant: str) -> None:
     """Give the UNet stock diffusers attention, or sdpatch's with ``variant`` as its backend; a
-    " recompute" suffix ("auto recompute") patches with ``recompute=True``."""
+    " recompute" suffix ("auto recompute") patches with ``recompute=True``; any other suffix names a
+    launch policy that the caller's calls run in ("auto gluon", :func:`launch_policy`)."""
     import sdpatch
 
     backend, _, suffix = variant.partition(" ")
@@ -226,13 +227,14 @@ def use_variant(unet, variant: str) -> None:
         sdpatch.patch_unet(unet, backend=backend, recompute=suffix == "recompute")
 
 
-def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> dict[str, list[float]]:
+def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3, contexts: dict | None = None) -> dict[str, list[float]]:
     """ms per call of ``fn`` under each variant, one figure per round. The variants take turns, each
     round in the reverse order of the one before (ABBA), so that a drift in host load (another job
     on the machine) reaches each alike and neither always runs first: earlier runs, timed one variant
     after the other, disagreed by up to 30 % on host-bound calls. After each switch one untimed call
     settles the allocator's cache; then ``block`` calls run back to back, as in a real loop, and are
-    timed together."""
+    timed together. ``contexts``: a context factory per variant that its calls run in (a launch
+    policy, :func:`launch_policy`)."""
     from sdpatch import wait_for_kernels
 
     times = {v: [] for v in variants}
@@ -240,9 +242,10 @@ def alternating_times(unet, variants, fn, rounds: int = 9, block: int = 3) -> di
     for _ in range(rounds):
         for v in order:
             use_variant(unet, v)
-            fn()
-            wait_for_kernels()  # a new layout's first call compiles its kernel in the background
-            times[v].append(timed_ms(fn, block))
+            with (contexts or {}).get(v, contextlib.nullcontext)():
+                fn()
+                wait_for_kernels()  # a new layout's first call compiles its kernel in the background
+                times[v].append(timed_ms(fn, block))
         order.reverse()
     return times
 

@@ -24,7 +24,10 @@ serving eager calls wherever it serves (what lowering ``EAGER_GLUON_MIN_FLOP`` w
 
 ``--parts unet``: whole eager UNet calls (SD 1.5 512², SDXL 1024², batch 2, no grad), stock against
 sdpatch: the host's time to enqueue one, its wall time, its host-device synchronizations, and the
-top of a cProfile of each, to find what an eager denoising step spends beyond stock's.
+top of a cProfile of each, to find what an eager denoising step spends beyond stock's; then stock
+and sdpatch under three launch policies (as shipped, the Triton forward alone, the Gluon forward
+wherever it serves) in alternating rounds, each with its ratio to stock's round beside it: the
+eager launch policy's A/B on one host, which fresh processes on the lent hosts could not settle.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ LAYER_CASES = [Case("layer hd40 4096", 2, 8, 4096, 4096, 40), Case("layer hd40 4
 PROFILED_LAYERS = ("layer hd160 1024", "layer hd64 4096")  # the eager per-call targets' shapes
 # Whole UNet calls, eager, no grad, batch 2 (preset, size): where a host-bound step's time goes.
 UNET_CASES = [("sd15", 512), ("sdxl", 1024)]
+UNET_ROUNDS = 15  # ABBA rounds of the whole-UNet comparison
 ANATOMY_CASES = [Case("bwd x77 hd40 4096", 2, 8, 4096, 77, 40), Case("bwd hd160 1024", 2, 8, 1024, 1024, 160)]
 
 
@@ -115,13 +119,14 @@ def layer_calls(c: Case, device: str) -> dict:
 def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
     """One eager UNet call (no grad, batch 2), stock against sdpatch (``patch_unet``, no graphs): the
     host's time to enqueue it from an idle GPU, its wall time to the end of its kernels, the number
-    of host-device synchronizations in it (``torch.cuda.set_sync_debug_mode``), and the alternating
-    (ABBA) median of 3 back-to-back calls. Prints the top of a cProfile of one call of each."""
+    of host-device synchronizations in it (``torch.cuda.set_sync_debug_mode``); then the alternating
+    (ABBA) median of 3 back-to-back calls of stock and of each launch policy, and each one's paired
+    ratio to stock's. Prints the top of a cProfile of one call of stock's and sdpatch's."""
     import warnings
 
     from sdpatch.models import build_preset
 
-    from _bench import alternating_median_ms, unet_inputs, use_variant
+    from _bench import alternating_times, paired_ratio, unet_inputs, use_variant
 
     unet = build_preset(preset, device="cuda", dtype=torch.float16).unet
     kw = unet_inputs(unet, 2, size, torch.float16)
@@ -156,8 +161,17 @@ def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
                          wall_ms=statistics.median(wall), syncs=len(syncs), sync_kinds=sorted(set(syncs))[:5]))
         print(rows[-1], flush=True)
         print(f"unet {preset} {size} {variant}", profile_top(call, 3, lines=30), sep="\n", flush=True)
-    for variant, ms in alternating_median_ms(unet, ["stock", "auto"], call).items():
-        next(r for r in rows if r["impl"] == variant)["abba_ms"] = ms
+    # The eager launch policy's two ends beside the default, in the same alternation: which one a
+    # host-bound eager step gains most from, measured side by side on one host.
+    policies = {"auto": launch_policy(), "auto fa2": launch_policy(gluon=False), "auto gluon": launch_policy(gluon_min_flop=0)}
+    times = alternating_times(unet, ["stock", *policies], call, rounds=UNET_ROUNDS, contexts=policies)
+    for variant, ms in times.items():
+        row = next((r for r in rows if r["impl"] == variant), None)
+        if row is None:
+            row = dict(case=f"unet {preset} {size}", impl=variant)
+            rows.append(row)
+        row["abba_ms"] = statistics.median(ms)
+        row["paired_vs_stock"] = paired_ratio(ms, times["stock"])
     use_variant(unet, "stock")
     del unet
     torch.cuda.empty_cache()
@@ -445,10 +459,13 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
         print(f"| {r['case']} | {r['impl']} | {r['gpu_us']:.0f} | {r['host_us']:.0f} ({r['host_p10_us']:.0f}–{r['host_p90_us']:.0f}) | {parts_us} |")
     unets = [r for p, n in UNET_CASES for r in unet_anatomy(p, n)] if device == "cuda" and "unet" in parts_run else []
     if unets:
-        print("\n| UNet call, eager | impl | host ms to enqueue | wall ms | ABBA median ms (3 calls) | syncs |")
-        print("|---|---|---|---|---|---|")
+        print("\n| UNet call, eager | impl | host ms to enqueue | wall ms | ABBA median ms (3 calls) | × stock, paired (quartiles) | syncs |")
+        print("|---|---|---|---|---|---|---|")
     for r in unets:
-        print(f"| {r['case']} | {r['impl']} | {r['host_ms']:.1f} | {r['wall_ms']:.1f} | {r['abba_ms']:.1f} | {r['syncs']} {r['sync_kinds']} |")
+        med, q1, q3 = r["paired_vs_stock"]
+        host = f"{r['host_ms']:.1f} | {r['wall_ms']:.1f}" if "host_ms" in r else "– | –"
+        print(f"| {r['case']} | {r['impl']} | {host} | {r['abba_ms']:.1f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | "
+              f"{r.get('syncs', '–')} {r.get('sync_kinds', '')} |")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": environment(), "rows": rows, "layers": layer_rows, "pieces": parts, "anatomy": anatomy,

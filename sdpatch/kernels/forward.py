@@ -36,10 +36,11 @@ logger = logging.getLogger(__name__)
 # 0.5 ms, past which the GPU, not the host, sets the pace of a diffusers step. Below it the Gluon
 # kernel wins per call, back to back (on an H100, paired against cuDNN: 1.17x cuDNN's speed at
 # (2, 8, 1024, 160) and 1.05x at (2, 20, 1024, 64), where the Triton kernel's was 0.90x and 0.98x),
-# but costs the host 10-42 us more per layer (two launches and a workspace where its last wave is
-# split), and a whole eager pipeline is host-bound there: with eager calls on the Gluon kernel from
-# 1e10 FLOPs, fresh `sdpatch generate` processes on an H100 took 1.05x stock's s/it at SDXL 1024²
-# and 1.01x at SD 1.5 512², against 1.02x and 0.89x with the Triton kernel (docs/benchmarks.md).
+# but costs the host 9-35 us more per layer (two launches and a workspace where its last wave is
+# split), and a whole eager UNet call is host-bound there: alternating in one process on an H100,
+# eager UNet calls took 0.95x stock's time at SD 1.5 512² and 0.88-0.90x at SDXL 1024² with the
+# Gluon kernel on every eager call it serves, against 0.94x and 0.85-0.87x with this threshold
+# (docs/benchmarks.md).
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
 _captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
