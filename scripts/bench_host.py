@@ -267,11 +267,14 @@ def gluon_pieces(c: Case) -> dict:
         found["gluon: repeat launcher"] = lambda: again(q, k, v)
     if again is not None and binary.encoded is not None:
         encoded = binary.encoded
+        # The same repeat, its descriptors encoded by Triton's wrapper every launch: a repeat
+        # launcher of its own, whose kept argument lists hold descriptors, not their encodings.
+        unencoded = hopper.gluon_repeat(q, k, v, scale)
 
-        def triton_encodes():  # the same repeat, its descriptors encoded by Triton's wrapper every launch
+        def triton_encodes():
             binary.encoded = None
             try:
-                again(q, k, v)
+                unencoded(q, k, v)
             finally:
                 binary.encoded = encoded
 

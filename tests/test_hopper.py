@@ -333,6 +333,66 @@ def test_a_repeat_launches_the_layouts_binaries_on_new_tensors(monkeypatch, sms,
         assert calls[1][2][0] is calls[0][2][9] and calls[1][2][1] is calls[0][2][10]  # the combine reads the pieces
 
 
+class _RecordingBinary(fh.Binary):
+    """A compiled binary that records its launches: through its arguments (``launch``'s way, on a
+    layout's first addresses) or its kept flat list (a repeat on addresses seen before)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __call__(self, grid, args):
+        self.calls.append(("args", grid, args))
+
+    def flat_args(self, args):
+        return [a.base.data_ptr() if isinstance(a, fh.BoundDescriptor) else a.data_ptr() if isinstance(a, torch.Tensor) else a
+                for a in args]
+
+    def launch_flat(self, grid, values):
+        self.calls.append(("flat", grid, values))
+
+
+@pytest.mark.parametrize("sms", [132, 5], ids=["whole-grid", "split-grid"])
+def test_a_repeat_keeps_its_launch_arguments_by_address(monkeypatch, sms):
+    """On addresses it has launched before (the caching allocator hands a layer's tensors the same
+    ones every step), a repeat hands each binary the flat argument list it kept, made from those
+    tensors; new addresses, or a profiler's launch hook, launch through the arguments again."""
+    from sdpatch.kernels import runtime
+    from sdpatch.kernels.runtime import LAUNCHED, Plan
+
+    monkeypatch.setattr(fh, "sm_count", lambda device: sms)
+    monkeypatch.setattr(fh, "_plans", {})
+    monkeypatch.setattr(fh, "launch_hooked", lambda: hooked)
+    hooked = False
+    q, k, v = qkv(D=40, Nq=1024, Nk=1024)
+    plan = fh._plans[fh._plan_key(q, k, v, False)] = Plan({}, later=LAUNCHED)
+    calls = []
+    launches = len(fh.launches(q, k, v, torch.empty_like(q), None, 0.25, bound=True))
+    plan.binaries = {("gluon", i): _RecordingBinary(calls) for i in range(launches)}
+    again = fh.gluon_repeat(q, k, v, 0.25)
+    # The output and workspace at the same addresses on every call, as from the caching allocator.
+    like, empty, kept = torch.empty_like, torch.empty, {}
+    monkeypatch.setattr(torch, "empty_like", lambda t: kept.setdefault(("like", t.shape, t.stride()), like(t)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: kept.setdefault((a, tuple(kw.items())), empty(*a, **kw)))
+
+    def ways(*tensors):
+        calls.clear()
+        out = again(*tensors)
+        return [way for way, *_ in calls], out
+
+    first, out = ways(q, k, v)
+    assert first == ["args"] * launches
+    by_args = list(calls)
+    assert ways(q, k, v)[0] == ["flat"] * launches
+    for (_, grid, args), (_, flat_grid, values) in zip(by_args, calls):
+        assert flat_grid == grid and values == _RecordingBinary(None).flat_args(args)
+    assert calls[0][2][:3] == [q.data_ptr(), k.data_ptr(), v.data_ptr()] and out.data_ptr() in calls[0][2]
+    assert ways(*qkv(D=40, Nq=1024, Nk=1024))[0] == ["args"] * launches  # new addresses
+    hooked = True
+    assert ways(q, k, v)[0] == ["args"] * launches
+
+
 def test_the_eager_repeat_takes_the_kernel_that_serves_and_none_inside_a_capture(monkeypatch):
     from sdpatch.kernels import flash_fwd
 

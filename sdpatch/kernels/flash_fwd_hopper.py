@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import LAUNCHED, Plan, cached_plan, launch, on_device, stands_aside
+from .runtime import LAUNCHED, Binary, Plan, cached_plan, launch, launch_hooked, on_device, stands_aside
 from .shared import SERVES, split_parts
 
 try:  # Gluon's Hopper API: triton 3.5 and later
@@ -796,12 +796,20 @@ def gluon_attn_fwd(q, k, v, scale: float, return_lse: bool = False) -> tuple[tor
     return out, lse
 
 
+# Address sets a repeat launcher keeps the launches' arguments for: a layer's q, k, v and output
+# come back at the same few addresses every step from the caching allocator.
+MAX_REPEAT_ADDRESSES = 64
+
+
 def gluon_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """A launcher for later calls without log-sum-exp on tensors laid out exactly as these (shapes,
     strides, dtype, device), once :func:`gluon_attn_fwd` has launched their kernels from its
     binaries: ``again(q, k, v) -> out``. It skips the plan's key and lookup and works out the
-    launches' grids and scalars once: per call, only the descriptors' bases and the split grid's
-    workspace are new. None where the layout has not launched from its binaries yet."""
+    launches' grids and scalars once. Per call only the tensors' addresses are new: the launchers'
+    whole argument lists (:meth:`~sdpatch.kernels.runtime.Binary.flat_args`: eight descriptors'
+    encodings, the scalars) are kept by the addresses of q, k, v, the output and the split grid's
+    workspace, which an eager loop's allocator hands out again every step. None where the layout has
+    not launched from its binaries yet."""
     plan = _plans.get(_plan_key(q, k, v, False))
     if plan is None or plan.later not in (None, LAUNCHED):
         return None
@@ -813,21 +821,43 @@ def gluon_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     (kernel, grid, args, consts), combine = runs[0], runs[1:]
     templates, tail = args[:8], args[11:]  # 8 descriptors; then Lse, Part_O, Part_L; then scalars
     part_o, part_l = args[9:11]
+    kept: dict[tuple, list] = {}  # addresses -> [(binary, grid, its flat arguments)] of each launch
+
+    def launch_new(q, k, v, out, work) -> None:
+        descs = tuple(d and BoundDescriptor(t, d.shape, d.strides) for d, t in zip(templates, (q, k, v, out) * 2))
+        calls = [(kernel, grid, (*descs, None, *(work or (None, None)), *tail), consts, ("gluon", 0))]
+        if combine:
+            c_kernel, c_grid, c_args, c_consts = combine[0]
+            calls.append((c_kernel, c_grid, (*work, out, None, *c_args[4:]), c_consts, ("gluon", 1)))
+        for kern, g, a, c, key in calls:
+            launch(kern, g, a, c, plan.binaries, key)
+        binaries = [plan.binaries.get(key) for *_, key in calls]
+        if all(isinstance(b, Binary) for b in binaries) and not launch_hooked():
+            if len(kept) >= MAX_REPEAT_ADDRESSES:
+                kept.clear()
+            kept[_addresses(q, k, v, out, work)] = [(b, g, b.flat_args(a)) for b, (_, g, a, _, _) in zip(binaries, calls)]
 
     def again(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if ("gluon", 0) not in plan.binaries:  # direct launches turned off: the JIT takes no bound descriptors
             return gluon_attn_fwd(q, k, v, scale)[0]
         out = torch.empty_like(q)
-        descs = tuple(d and BoundDescriptor(t, d.shape, d.strides) for d, t in zip(templates, (q, k, v, out) * 2))
+        work = None
+        if combine:
+            work = (torch.empty(part_o.shape, device=q.device, dtype=torch.float32),
+                    torch.empty(part_l.shape, device=q.device, dtype=torch.float32))
         with on_device(q):
-            if not combine:
-                launch(kernel, grid, (*descs, None, None, None, *tail), consts, plan.binaries, ("gluon", 0))
-                return out
-            po = torch.empty(part_o.shape, device=q.device, dtype=torch.float32)
-            pl = torch.empty(part_l.shape, device=q.device, dtype=torch.float32)
-            launch(kernel, grid, (*descs, None, po, pl, *tail), consts, plan.binaries, ("gluon", 0))
-            c_kernel, c_grid, c_args, c_consts = combine[0]
-            launch(c_kernel, c_grid, (po, pl, out, None, *c_args[4:]), c_consts, plan.binaries, ("gluon", 1))
+            flat = kept.get(_addresses(q, k, v, out, work))
+            if flat is None or launch_hooked():
+                launch_new(q, k, v, out, work)
+            else:
+                for binary, g, values in flat:
+                    binary.launch_flat(g, values)
         return out
 
     return again
+
+
+def _addresses(q, k, v, out, work) -> tuple:
+    if work is None:
+        return q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    return q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), work[0].data_ptr(), work[1].data_ptr()

@@ -3,10 +3,11 @@
 Two variants compute the same function: the Gluon Hopper kernel (:mod:`.flash_fwd_hopper`) for
 unmasked self-attention on sm_90 wherever its grid fills the GPU (:func:`flash_fwd_hopper.serves`),
 where its kernel time measured 1.03-1.3x the Triton kernel's, and the FlashAttention-2-style Triton
-kernel (:mod:`.flash_fwd`) for every other call. A Gluon launch costs the host more: eight TMA
-descriptors, and where its last wave is split a second launch and a workspace. An eager repeat of
-a layout (:func:`repeat_launcher`) reuses the descriptors' encodings: 24-41 us of host time against
-the Triton kernel's ~17 on a lent H100 host. So the Gluon kernel serves calls that will be replayed
+kernel (:mod:`.flash_fwd`) for every other call. A Gluon launch takes eight TMA descriptors, and
+where its last wave is split a second launch and a workspace. An eager repeat of a layout
+(:func:`repeat_launcher`) keeps its launches' arguments by the tensors' addresses: a diffusers layer
+then costs the host what it does on the Triton kernel, but 20 us more where the wave is split (on a
+lent H100 host). So the Gluon kernel serves calls that will be replayed
 from a CUDA graph (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's
 warm-up and capture, so that the kernel it captures is the one its warm-up compiled), and eager
 calls from :data:`EAGER_GLUON_MIN_FLOP` on, where a step waits on the GPU, not the host. A
@@ -36,10 +37,11 @@ logger = logging.getLogger(__name__)
 # 0.5 ms, past which the GPU, not the host, sets the pace of a diffusers step. Below it the Gluon
 # kernel wins per call, back to back (on an H100, paired against cuDNN: 1.17x cuDNN's speed at
 # (2, 8, 1024, 160) and 1.05x at (2, 20, 1024, 64), where the Triton kernel's was 0.90x and 0.98x),
-# but costs the host 9-35 us more per layer (two launches and a workspace where its last wave is
-# split), and a whole eager UNet call is host-bound there: alternating in one process on an H100,
-# eager UNet calls took 0.95x stock's time at SD 1.5 512² and 0.88-0.90x at SDXL 1024² with the
-# Gluon kernel on every eager call it serves, against 0.94x and 0.85-0.87x with this threshold
+# but a whole eager UNet call is host-bound there, and did not gain from it: alternating in one
+# process on an H100, eager UNet calls with the Gluon kernel on every eager call it serves took
+# 0.95x stock's time at SD 1.5 512² and 0.88-0.90x at SDXL 1024², against 0.94x and 0.85-0.87x with
+# this threshold; with the repeat launcher's kept arguments (its layers then as cheap for the host
+# as the Triton kernel's, but where its last wave is split), 0.91x and 0.93x against 0.93x and 0.86x
 # (docs/benchmarks.md).
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()

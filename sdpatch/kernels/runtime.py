@@ -130,19 +130,20 @@ class Binary:
         if launch_hooked():
             self.compiled[grid](*args, *self.consts)
             return
-        if self.encoded is not None:
-            self._launch_encoded(grid, args)
-            return
-        values = list(args)
-        for i in self.pointers:
-            values[i] = values[i].data_ptr()
-        self.run(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, self.metadata, None, None, None,
-                 *values, *self.consts)
+        self.launch_flat(grid, self.flat_args(args))
 
-    def _launch_encoded(self, grid: tuple, args: tuple) -> None:
-        """The launch with each tensor descriptor's encoding looked up by its slot, base address,
-        padding, shape and strides, and made only where it is new (see :class:`EncodedLauncher`)."""
+    def flat_args(self, args: tuple) -> list:
+        """The C launcher's arguments for ``args`` (its kernel's runtime parameters): tensors as
+        their addresses, each tensor descriptor as its encoding, looked up by its slot, base
+        address, padding, shape and strides and made only where it is new (see
+        :class:`EncodedLauncher`). A caller that launches tensors at the same addresses again may
+        keep the list and hand it to :meth:`launch_flat` again, skipping this walk over the arguments."""
         enc = self.encoded
+        if enc is None:
+            values = list(args)
+            for i in self.pointers:
+                values[i] = values[i].data_ptr()
+            return values
         values = []
         for i, a in enumerate(args):
             meta = enc.slots.get(i)
@@ -156,8 +157,18 @@ class Binary:
                 values += encoded
             else:
                 values.append(a.data_ptr() if i in self.pointers else a)
-        enc.launch(grid[0], grid[1], grid[2], self.current_stream(self.device), self.function, enc.cooperative, enc.pdl,
-                   None, None, self.metadata, None, None, None, *values, *self.consts)
+        return values
+
+    def launch_flat(self, grid: tuple, values: list) -> None:
+        """The launch with :meth:`flat_args`' list, on the current stream. The caller checks
+        :func:`launch_hooked` first: a hooked launch goes through Triton's runner, with the arguments."""
+        enc = self.encoded
+        stream = self.current_stream(self.device)
+        if enc is None:
+            self.run(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None, *values, *self.consts)
+        else:
+            enc.launch(grid[0], grid[1], grid[2], stream, self.function, enc.cooperative, enc.pdl, None, None, self.metadata,
+                       None, None, None, *values, *self.consts)
 
 
 # A TMA descriptor's encoding (a CUtensorMap: address, shape, strides, padding, and the box and
@@ -170,7 +181,7 @@ class EncodedLauncher(NamedTuple):
     """A compiled kernel's C launcher under Triton's tensor-descriptor wrapper (Triton 3.5-3.6):
     that wrapper encodes every descriptor argument into a CUtensorMap on every launch
     (``make_tensordesc_arg``, a few microseconds each; the Gluon forward takes eight at split head
-    dims). :meth:`Binary._launch_encoded` hands the launcher the same arguments with the encodings
+    dims). :meth:`Binary.flat_args` hands the launcher the same arguments with the encodings
     reused."""
 
     launch: Callable  # the C launcher: grid, stream, function, launch flags, scratch, metadata, hooks, arguments
