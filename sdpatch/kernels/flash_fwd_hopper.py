@@ -829,6 +829,8 @@ def gluon_repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         if combine:
             c_kernel, c_grid, c_args, c_consts = combine[0]
             calls.append((c_kernel, c_grid, (*work, out, None, *c_args[4:]), c_consts, ("gluon", 1)))
+        # Through launch(), which hands the JIT a launch that a binary refuses; then the lists are
+        # kept (a second walk over the arguments, once per new address set).
         for kern, g, a, c, key in calls:
             launch(kern, g, a, c, plan.binaries, key)
         binaries = [plan.binaries.get(key) for *_, key in calls]
