@@ -301,31 +301,27 @@ def environment() -> dict:
     }
 
 
-def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None, whole_grids: bool = False):
+def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None, whole_grids: bool = True):
     """A context factory: inside, sdpatch's forward launches with the Gluon kernel on or off and
     ``EAGER_GLUON_MIN_FLOP`` at ``gluon_min_flop`` (None: as shipped), and eager calls repeat from
-    a map of this policy's own. ``whole_grids``: eager calls take the Gluon kernel wherever it
-    serves and its grid is not split (``grid_for``'s pieces: a second launch and a workspace), at
-    any size, and the Triton kernel elsewhere."""
+    a map of this policy's own. ``whole_grids=False``: eager calls under that threshold stay on the
+    Triton kernel even where the Gluon grid is whole (its wave not split), as they did before
+    ``forward.gluon_serves`` gave those calls to the Gluon kernel."""
     from sdpatch.attention import faults
     from sdpatch.kernels import flash_fwd_hopper, forward
 
     repeats: dict = {}
-    shipped = forward.gluon_serves
 
-    def whole(q, k, v, mask) -> bool:
-        if not flash_fwd_hopper.serves(q, k, v, mask):
-            return False
-        B, H, Nq, D = q.shape
-        sms = flash_fwd_hopper.sm_count(q.get_device())
-        return shipped(q, k, v, mask) or not flash_fwd_hopper.grid_for(B * H, Nq, k.shape[2], sms, flash_fwd_hopper.config_for(D)).pieces
+    def by_size(q, k, v, mask) -> bool:
+        return flash_fwd_hopper.serves(q, k, v, mask) and (
+            forward._capture_depth > 0 or 4 * q.numel() * k.shape[2] >= forward.EAGER_GLUON_MIN_FLOP)
 
     @contextlib.contextmanager
     def policy():
         saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP, forward.gluon_serves
         faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
         forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
-        forward.gluon_serves = whole if whole_grids else saved[3]
+        forward.gluon_serves = saved[3] if whole_grids else by_size
         try:
             yield
         finally:

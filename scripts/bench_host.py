@@ -26,9 +26,9 @@ serving eager calls wherever it serves (what lowering ``EAGER_GLUON_MIN_FLOP`` w
 sdpatch: the host's time to enqueue one, its wall time, its host-device synchronizations, and the
 top of a cProfile of each, to find what an eager denoising step spends beyond stock's; then stock
 and sdpatch under four launch policies (as shipped, the Triton forward alone, the Gluon forward
-wherever it serves, and wherever it serves on a grid it does not split) in alternating rounds, each
-with its ratio to stock's round beside it: the eager launch policy's A/B on one host, which fresh
-processes on the lent hosts could not settle.
+for eager calls by their size alone as before whole grids took it, and the Gluon forward wherever
+it serves) in alternating rounds, each with its ratio to stock's round beside it: the eager launch
+policy's A/B on one host, which fresh processes on the lent hosts could not settle.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
         print(f"unet {preset} {size} {variant}", profile_top(call, 3, lines=30), sep="\n", flush=True)
     # The eager launch policies side by side with stock, in one alternation: which one a host-bound
     # eager step gains most from, on one host.
-    policies = {"auto": launch_policy(), "auto fa2": launch_policy(gluon=False), "auto gluon": launch_policy(gluon_min_flop=0),
-                "auto gluon-whole": launch_policy(whole_grids=True)}
+    policies = {"auto": launch_policy(), "auto fa2": launch_policy(gluon=False),
+                "auto by-size": launch_policy(whole_grids=False), "auto gluon": launch_policy(gluon_min_flop=0)}
     times = alternating_times(unet, ["stock", *policies], call, rounds=UNET_ROUNDS, contexts=policies)
     for variant, ms in times.items():
         row = next((r for r in rows if r["impl"] == variant), None)

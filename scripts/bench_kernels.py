@@ -15,14 +15,16 @@ cuDNN's forward, and cuDNN's and flash's backward ops: at 77 keys or 1024 tokens
 (Python, launches) outlasts its kernels, and the two figures tell which one a ratio measures.
 sdpatch's per-call figures are eager calls, on the forward variant the launch layer picks for them;
 its kernel time is that of the calls a CUDA graph holds (``sdpatch.kernels.forward.for_capture``):
-on Hopper below ``EAGER_GLUON_MIN_FLOP`` these are the Triton and the Gluon kernel respectively, so
-the forward's eager kernel is also timed by graph replay on its own ("sdpatch eager" among the
-graph columns): per call against cuDNN, it is the kernel that runs. Where that is the Triton kernel
+on Hopper below ``EAGER_GLUON_MIN_FLOP``, where the Gluon grid would split its last wave, these are
+the Triton and the Gluon kernel respectively, so the forward's eager kernel is also timed by graph
+replay on its own ("sdpatch eager" among the graph columns): per call against cuDNN, it is the
+kernel that runs. Where that is the Triton kernel
 and the Gluon one would serve, "gluon eager" is the public call with the Gluon kernel serving eager
 calls too (``EAGER_GLUON_MIN_FLOP`` at 0, its own repeat map), timed per call and paired with cuDNN:
 where that threshold belongs.
-On calls under 2 ms, sdpatch, cuDNN and flash are also timed in turns over ``--rounds`` rounds:
-the per-round ratios ("paired") cancel the drift of the host's speed that single figures carry.
+On calls under 2 ms, sdpatch (the public call, a diffusers layer's path), cuDNN and flash are also
+timed in turns over ``--rounds`` rounds: the per-round ratios ("paired") cancel the drift of the
+host's speed that single figures carry.
 
 FlashAttention-4 ("fa4", ``flash_attn.cute``) is an optional peer, timed where it imports (on the
 lent machine it is installed by hand from wheels onto PYTHONPATH) and takes the case's head dim:
@@ -409,7 +411,9 @@ def run_case(c: Case, rounds: int) -> Row:
     row.first_call_s = time.perf_counter() - t0
     for name, f in impls.items():
         measure(row, name, f, flops, out_bytes, contexts.get(name, contextlib.nullcontext))
-    measure_paired(row, impls, rounds, contexts)
+    # Paired, sdpatch is the public call: a layer's path, whose eager repeats keep their launch
+    # arguments; the launcher's column takes the full launch every call.
+    measure_paired(row, {**impls, "sdpatch": public}, rounds, contexts)
     if c.sdpatch_backend == "triton":
         row.tuned_config = str(tuned_config(q, k, v, scale))
         measure_graph(row, "sdpatch", lambda: captured(ours), flops)

@@ -82,22 +82,26 @@ def test_serves(monkeypatch, B, H, Nq, Nk, D, served):
     assert not fh.serves(q, k, k, None)
 
 
-EAGER_OR_CAPTURED = [  # (B, H, Nq, Nk, D, eager, captured): calls fh.serves takes, by the launch layer's policy
-    (2, 8, 4096, 4096, 40, False, True),  # SD 1.5 at 512², level 1: 4.3e10 FLOPs, a host-bound step
-    (2, 10, 4096, 4096, 64, False, True),  # SDXL at 1024², level 2: 8.6e10, a host-bound step
-    (2, 20, 1024, 1024, 64, False, True),  # SDXL at 1024², level 3: 1.07e10
-    (2, 8, 1024, 1024, 160, False, True),  # SD 1.5 at 1024², level 3: 1.07e10
-    (2, 8, 1024, 1024, 80, False, True),  # SD 1.5 at 512², level 2: 5.4e9
-    (2, 8, 16384, 16384, 40, True, True),  # SD 1.5 at 1024², level 1: 6.9e11, past EAGER_GLUON_MIN_FLOP
-    (2, 10, 16384, 16384, 64, True, True),  # SDXL at 2048²
+EAGER_OR_CAPTURED = [  # (B, H, Nq, Nk, D, eager, captured): calls fh.serves takes, by the launch layer's policy on 132 SMs
+    (2, 8, 4096, 4096, 40, True, True),  # SD 1.5 at 512², level 1: 352 tiles, 2.67 waves, not split
+    (2, 10, 4096, 4096, 64, False, True),  # SDXL at 1024², level 2: 440 tiles, a last wave of 44 split in 3; 8.6e10 FLOPs
+    (2, 20, 1024, 1024, 64, True, True),  # SDXL at 1024², level 3: tiles of two sizes, none split
+    (2, 8, 1024, 1024, 160, True, True),  # SD 1.5 at 1024², level 3: 128 tiles, under a wave
+    (2, 8, 1024, 1024, 80, True, True),  # SD 1.5 at 512², level 2
+    (1, 8, 4096, 4096, 40, False, True),  # SD 1.5 at 512², no guidance: 176 tiles, a last wave of 44 split in 3
+    (2, 8, 16384, 16384, 40, True, True),  # SD 1.5 at 1024², level 1: split, but 6.9e11 FLOPs, past EAGER_GLUON_MIN_FLOP
+    (2, 10, 16384, 16384, 64, True, True),  # SDXL at 2048²: split, 1.4e12 FLOPs
 ]
 
 
 @pytest.mark.parametrize("B,H,Nq,Nk,D,eager,captured", EAGER_OR_CAPTURED,
                          ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}" for b, h, nq, nk, d, *_ in EAGER_OR_CAPTURED])
-def test_gluon_serves_captured_calls_and_eager_ones_past_the_eager_threshold(monkeypatch, B, H, Nq, Nk, D, eager, captured):
+def test_gluon_serves_captured_calls_and_eager_ones_on_whole_grids_or_past_the_eager_threshold(
+        monkeypatch, B, H, Nq, Nk, D, eager, captured):
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: True)  # as fh.serves takes every case above on an H200
+    monkeypatch.setattr(fh, "sm_count", lambda device: 132)
     q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
+    assert fh.splits_wave(q, k) is (fh.grid_for(B * H, Nq, Nk, 132, fh.config_for(D)).pieces > 0)
     assert forward.gluon_serves(q, k, k, None) is eager
     with forward.for_capture():
         with forward.for_capture():  # nested: a capture inside a warm-up's block

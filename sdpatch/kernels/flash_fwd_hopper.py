@@ -285,6 +285,15 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
             and hopper_fwd_ok(q, k, v, mask))
 
 
+def splits_wave(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call's grid splits its last wave (:func:`tail_split`): a second launch and a
+    workspace, which cost an eager call host time."""
+    B, H, Nq, D = q.shape
+    block_m, block_n, _, consumers = config_for(D)
+    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
+    return tail_split(tiles, sm_count(q.get_device()), triton.cdiv(k.shape[2], block_n))[1] > 1
+
+
 def disable(err: Exception) -> None:
     """After a launch that raised (a Gluon API this triton lacks, say): the Triton kernel from now on."""
     _failed.append(f"{type(err).__name__}: {err}")
