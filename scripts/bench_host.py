@@ -28,7 +28,9 @@ top of a cProfile of each, to find what an eager denoising step spends beyond st
 and sdpatch under four launch policies (as shipped, the Triton forward alone, the Gluon forward
 for eager calls by their size alone as before whole grids took it, and the Gluon forward wherever
 it serves) in alternating rounds, each with its ratio to stock's round beside it: the eager launch
-policy's A/B on one host, which fresh processes on the lent hosts could not settle.
+policy's A/B on one host, which fresh processes on the lent hosts could not settle. Beside each
+policy, the Gluon repeat launcher's lookups of kept arguments and the distinct address sets among
+them (:func:`gluon_address_sets`).
 """
 
 from __future__ import annotations
@@ -166,7 +168,8 @@ def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
     # eager step gains most from, on one host.
     policies = {"auto": launch_policy(), "auto fa2": launch_policy(gluon=False),
                 "auto by-size": launch_policy(whole_grids=False), "auto gluon": launch_policy(gluon_min_flop=0)}
-    times = alternating_times(unet, ["stock", *policies], call, rounds=UNET_ROUNDS, contexts=policies)
+    with gluon_address_sets(policies) as sets:
+        times = alternating_times(unet, ["stock", *policies], call, rounds=UNET_ROUNDS, contexts=policies)
     for variant, ms in times.items():
         row = next((r for r in rows if r["impl"] == variant), None)
         if row is None:
@@ -174,10 +177,53 @@ def unet_anatomy(preset: str, size: int, calls: int = 10) -> list[dict]:
             rows.append(row)
         row["abba_ms"] = statistics.median(ms)
         row["paired_vs_stock"] = paired_ratio(ms, times["stock"])
+        if variant in sets:
+            row["gluon_lookups"], row["gluon_address_sets"] = sets[variant][0], len(sets[variant][1])
     use_variant(unet, "stock")
     del unet
     torch.cuda.empty_cache()
     return rows
+
+
+@contextlib.contextmanager
+def gluon_address_sets(policies: dict):
+    """Wraps each policy's context (in place) to count, under it, the Gluon repeat launcher's
+    lookups of its kept arguments and the distinct address sets looked up: {policy: [lookups,
+    {address sets}]}. A set seen again is a launch from kept arguments; a new one walks the
+    arguments again. Where the allocator hands a layer the same addresses every step, the sets stay
+    at the layers' count however many calls run."""
+    from sdpatch.kernels import flash_fwd_hopper
+
+    seen = {name: [0, set()] for name in policies}
+    active: list[str] = []
+    real = flash_fwd_hopper._addresses
+
+    def counted(*args):
+        key = real(*args)
+        if active:
+            seen[active[-1]][0] += 1
+            seen[active[-1]][1].add(key)
+        return key
+
+    def tagged(name, factory):
+        @contextlib.contextmanager
+        def context():
+            active.append(name)
+            try:
+                with factory():
+                    yield
+            finally:
+                active.pop()
+        return context
+
+    saved = dict(policies)
+    policies.update({name: tagged(name, factory) for name, factory in saved.items()})
+    flash_fwd_hopper._addresses = counted
+    try:
+        yield seen
+    finally:
+        flash_fwd_hopper._addresses = real
+        policies.update(saved)
 
 
 class _Identity(torch.autograd.Function):
@@ -464,12 +510,14 @@ def main(device: str = "cuda", iters: int = ITERS, json_path: str | None = None,
         print(f"| {r['case']} | {r['impl']} | {r['gpu_us']:.0f} | {r['host_us']:.0f} ({r['host_p10_us']:.0f}–{r['host_p90_us']:.0f}) | {parts_us} |")
     unets = [r for p, n in UNET_CASES for r in unet_anatomy(p, n)] if device == "cuda" and "unet" in parts_run else []
     if unets:
-        print("\n| UNet call, eager | impl | host ms to enqueue | wall ms | ABBA median ms (3 calls) | × stock, paired (quartiles) | syncs |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| UNet call, eager | impl | host ms to enqueue | wall ms | ABBA median ms (3 calls) | × stock, paired (quartiles) "
+              "| Gluon repeat lookups / address sets | syncs |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in unets:
         med, q1, q3 = r["paired_vs_stock"]
         host = f"{r['host_ms']:.1f} | {r['wall_ms']:.1f}" if "host_ms" in r else "– | –"
-        print(f"| {r['case']} | {r['impl']} | {host} | {r['abba_ms']:.1f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | "
+        sets = f"{r['gluon_lookups']} / {r['gluon_address_sets']}" if "gluon_lookups" in r else "–"
+        print(f"| {r['case']} | {r['impl']} | {host} | {r['abba_ms']:.1f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | {sets} | "
               f"{r.get('syncs', '–')} {r.get('sync_kinds', '')} |")
     if json_path:
         with open(json_path, "w") as f:

@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 # at (2, 20, 1024, 64), where the Triton kernel's is 1.01x, 0.78x, 0.90x and 0.98x, for the same
 # host time a layer. Whole eager UNet calls (SD 1.5 512² and SDXL 1024², host-bound there),
 # alternating in one process on an H100, were as fast either way within the noise: medians of
-# five calls 0.91-0.98x stock's time against 0.84-0.93x with those calls on the Triton kernel, and
-# 0.78-0.86x against 0.75-0.87x (docs/benchmarks.md). With a split grid on every eager call the Gluon kernel was
+# six calls 0.91-0.98x stock's time against 0.84-0.93x with those calls on the Triton kernel, and
+# 0.78-0.89x against 0.75-0.88x (docs/benchmarks.md). With a split grid on every eager call the Gluon kernel was
 # 2-4 % slower there.
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
