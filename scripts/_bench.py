@@ -312,7 +312,7 @@ def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None, whole
 
     repeats: dict = {}
 
-    def by_size(q, k, v, mask) -> bool:
+    def by_size(q, k, v, mask, return_lse=False) -> bool:
         return flash_fwd_hopper.serves(q, k, v, mask) and (
             forward._capture_depth > 0 or 4 * q.numel() * k.shape[2] >= forward.EAGER_GLUON_MIN_FLOP)
 

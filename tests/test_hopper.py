@@ -103,10 +103,14 @@ def test_gluon_serves_captured_calls_and_eager_ones_on_whole_grids_or_past_the_e
     q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
     assert fh.splits_wave(q, k) is (fh.grid_for(B * H, Nq, Nk, 132, fh.config_for(D)).pieces > 0)
     assert forward.gluon_serves(q, k, k, None) is eager
+    # With gradients (the log-sum-exp) a call does not repeat: its launch is built from scratch,
+    # dearer on Gluon, so only the threshold takes it there.
+    assert forward.gluon_serves(q, k, k, None, return_lse=True) is (4 * q.numel() * Nk >= forward.EAGER_GLUON_MIN_FLOP)
     with forward.for_capture():
         with forward.for_capture():  # nested: a capture inside a warm-up's block
             pass
         assert forward.gluon_serves(q, k, k, None) is captured
+        assert forward.gluon_serves(q, k, k, None, return_lse=True) is captured
     assert forward.gluon_serves(q, k, k, None) is eager
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: False)  # SDPATCH_GLUON=0, another GPU, a mask
     with forward.for_capture():

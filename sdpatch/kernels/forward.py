@@ -9,14 +9,16 @@ where its last wave is split a second launch and a workspace. An eager repeat of
 then costs the host what it does on the Triton kernel, but 20 us more where the wave is split (on a
 lent H100 host). So the Gluon kernel serves calls that will be replayed from a CUDA graph
 (:func:`for_capture`, which :mod:`sdpatch.graphs` sets around a signature's warm-up and capture, so
-that the kernel it captures is the one its warm-up compiled), eager calls whose grid is not split,
-and eager calls with a split grid from :data:`EAGER_GLUON_MIN_FLOP` on, where a step waits on the
-GPU, not the host. A Gluon kernel takes 2-3.5 s to compile, the Triton kernel 0.5-1: a CUDA graph's
-warm-up has both compiled in the background (:func:`sdpatch.kernels.runtime.compiles_in_background`),
-and PyTorch's SDPA stands in for them until they are done (:func:`stand_in`; the graph is then
-captured again). A Gluon launch that raises (an API this triton lacks) hands every later call to
-the Triton kernel, with one warning. :func:`describe` says which variant, tiling and grid a call
-gets.
+that the kernel it captures is the one its warm-up compiled), eager calls without log-sum-exp (no
+gradients: the calls that repeat) whose grid is not split, and other eager calls from
+:data:`EAGER_GLUON_MIN_FLOP` on, where a step waits on the GPU, not the host: a Gluon launch built
+from scratch, as a call with gradients takes every time, cost the host 33-49 us more than the
+Triton kernel's (H100). A Gluon kernel takes 2-3.5 s to compile, the Triton kernel 0.5-1: a CUDA
+graph's warm-up has both compiled in the background
+(:func:`sdpatch.kernels.runtime.compiles_in_background`), and PyTorch's SDPA stands in for them
+until they are done (:func:`stand_in`; the graph is then captured again). A Gluon launch that
+raises (an API this triton lacks) hands every later call to the Triton kernel, with one warning.
+:func:`describe` says which variant, tiling and grid a call gets.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ logger = logging.getLogger(__name__)
 
 
 # Eager calls whose Gluon grid would split its last wave (a second launch, 20 us more host time
-# a layer) stay on the Triton kernel below this many FLOPs (4·B·H·Nq·Nk·D): a kernel of about 0.5 ms,
-# past which the GPU, not the host, sets the pace of a diffusers step. Calls on a whole grid take
-# the Gluon kernel at any size: per call, back to back, paired against cuDNN on an H100, it is 1.17x
-# cuDNN's speed at (2, 8, 4096, 40), 1.13x at (2, 8, 4096, 80), 1.18x at (2, 8, 1024, 160) and 1.05x
-# at (2, 20, 1024, 64), where the Triton kernel's is 1.01x, 0.78x, 0.90x and 0.98x, for the same
-# host time a layer. Whole eager UNet calls (SD 1.5 512² and SDXL 1024², host-bound there),
-# alternating in one process on an H100, were as fast either way within the noise: medians of
-# six calls 0.91-0.98x stock's time against 0.84-0.93x with those calls on the Triton kernel, and
-# 0.78-0.89x against 0.75-0.88x (docs/benchmarks.md). With a split grid on every eager call the Gluon kernel was
-# 2-4 % slower there.
+# a layer), and eager calls with gradients (a launch built from scratch every call), stay on the
+# Triton kernel below this many FLOPs (4·B·H·Nq·Nk·D): a kernel of about 0.5 ms, past which the
+# GPU, not the host, sets the pace of a diffusers step. Repeating calls on a whole grid take the
+# Gluon kernel at any size: per call, back to back, paired against cuDNN on an H100, it is 1.17x
+# cuDNN's speed at (2, 8, 4096, 40), 1.13x at (2, 8, 4096, 80), 1.18x at (2, 8, 1024, 160) and
+# 1.05x at (2, 20, 1024, 64), where the Triton kernel's is 1.01x, 0.78x, 0.90x and 0.98x, for the
+# same host time a layer. Whole eager UNet calls (SD 1.5 512² and SDXL 1024², host-bound there),
+# alternating in one process on an H100, were as fast either way within the noise: medians of six
+# calls 0.91-0.98x stock's time against 0.84-0.93x with those calls on the Triton kernel, and
+# 0.78-0.89x against 0.75-0.88x; with split grids on the Gluon kernel too, 3-8 % slower at SDXL
+# (docs/benchmarks.md).
 EAGER_GLUON_MIN_FLOP = 1.5e11
 _capture_depth = 0  # > 0 inside for_capture()
 _captured_stand_in = False  # warned that a graph other than sdpatch's captured a stand-in
@@ -62,10 +65,12 @@ def for_capture():
         _capture_depth -= 1
 
 
-def gluon_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def gluon_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 return_lse: bool = False) -> bool:
     """Whether a default call goes to the Gluon kernel: see the module's docstring."""
     return flash_fwd_hopper.serves(q, k, v, mask) and (
-        _capture_depth > 0 or 4 * q.numel() * k.shape[2] >= EAGER_GLUON_MIN_FLOP or not flash_fwd_hopper.splits_wave(q, k))
+        _capture_depth > 0 or 4 * q.numel() * k.shape[2] >= EAGER_GLUON_MIN_FLOP
+        or not return_lse and not flash_fwd_hopper.splits_wave(q, k))
 
 
 def flash_attn_fwd(
@@ -83,7 +88,7 @@ def flash_attn_fwd(
     :func:`flash_fwd.fa2_attn_fwd`'s. Calls that pin the Triton kernel's tiling (``config``,
     ``split_head_dim`` or ``kv_tma``) always get it. While the serving kernel compiles in the
     background, :func:`stand_in` serves, or the Triton kernel where the log-sum-exp is asked for."""
-    if config is None and split_head_dim is None and kv_tma is None and gluon_serves(q, k, v, mask):
+    if config is None and split_head_dim is None and kv_tma is None and gluon_serves(q, k, v, mask, return_lse):
         try:
             result = flash_fwd_hopper.gluon_attn_fwd(q, k, v, scale, return_lse)
         except torch.cuda.OutOfMemoryError:  # the Triton kernel needs the same memory
