@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import sdpatch
 from sdpatch.kernels import flash_fwd_hopper as fh
 from sdpatch.kernels import forward
 from sdpatch.kernels.shared import split_parts
@@ -115,6 +116,19 @@ def test_gluon_serves_captured_calls_and_eager_ones_on_whole_grids_or_past_the_e
     monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: False)  # SDPATCH_GLUON=0, another GPU, a mask
     with forward.for_capture():
         assert not forward.gluon_serves(q, k, k, None)
+
+
+def test_explain_names_the_kernel_a_call_gets_with_and_without_gradients(monkeypatch):
+    """SD 1.5's 1024-token level at hd80 is one whole Gluon grid: eager calls take the Gluon kernel
+    there, but calls with gradients (which do not repeat) the Triton kernel, under the threshold."""
+    monkeypatch.setattr(fh, "serves", lambda q, k, v, mask: True)  # as on an H200
+    monkeypatch.setattr(fh, "sm_count", lambda device: 132)
+    q = torch.zeros(2, 8, 1024, 80, dtype=torch.float16)
+    assert sdpatch.explain(q, q, q, backend="triton").path.startswith("gluon")
+    q.requires_grad_(True)
+    assert sdpatch.explain(q, q, q, backend="triton").path.startswith("triton fa2")
+    with torch.no_grad():
+        assert sdpatch.explain(q, q, q, backend="triton").path.startswith("gluon")
 
 
 @pytest.mark.parametrize("D,config", [(40, (64, 128, 2, 3)), (64, (64, 128, 2, 3)), (16, (64, 128, 2, 3)), (80, (64, 128, 2, 2)),

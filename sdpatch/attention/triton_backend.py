@@ -124,10 +124,12 @@ def workspace(batch, heads, nq, nk, head_dim, elem, chunk_budget, upcast) -> flo
 
 
 def path(q, k, v, mask) -> str | None:
-    """The kernel a call on these tensors takes (see :func:`sdpatch.kernels.forward.describe`)."""
+    """The kernel a call on these tensors takes here, with gradients where they ask for them (see
+    :func:`sdpatch.kernels.forward.describe`)."""
     if import_error() is not None:
         return None
-    return kernels()[0].describe(q, k, v, mask)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return kernels()[0].describe(q, k, v, mask, return_lse=needs_grad)
 
 
 BACKEND = Backend(

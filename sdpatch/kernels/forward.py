@@ -137,11 +137,11 @@ def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return F.scaled_dot_product_attention(q, k, v, scale=scale), None
 
 
-def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
-    """The variant a default call takes here (eager, or inside :func:`for_capture`), with its
-    head-dim tiling and, for Gluon, its grid."""
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, return_lse: bool = False) -> str:
+    """The variant a default call takes here (eager, or inside :func:`for_capture`; with the
+    log-sum-exp, as a call with gradients), with its head-dim tiling and, for Gluon, its grid."""
     D = q.shape[-1]
-    if gluon_serves(q, k, v, mask):
+    if gluon_serves(q, k, v, mask, return_lse):
         lo, hi = flash_fwd_hopper.split_parts(D)
         config = flash_fwd_hopper.config_for(D)
         B, H, Nq, _ = q.shape
