@@ -18,10 +18,9 @@ its kernel time is that of the calls a CUDA graph holds (``sdpatch.kernels.forwa
 on Hopper below ``EAGER_GLUON_MIN_FLOP``, where the Gluon grid would split its last wave, these are
 the Triton and the Gluon kernel respectively, so the forward's eager kernel is also timed by graph
 replay on its own ("sdpatch eager" among the graph columns): per call against cuDNN, it is the
-kernel that runs. Where that is the Triton kernel
-and the Gluon one would serve, "gluon eager" is the public call with the Gluon kernel serving eager
-calls too (``EAGER_GLUON_MIN_FLOP`` at 0, its own repeat map), timed per call and paired with cuDNN:
-where that threshold belongs.
+kernel that runs. Where that is the Triton kernel and the Gluon one would serve, "gluon eager" is
+the public call with the Gluon kernel serving eager calls too (``EAGER_GLUON_MIN_FLOP`` at 0, its
+own repeat map), timed per call and paired with cuDNN: where that threshold belongs.
 On calls under 2 ms, sdpatch (the public call, a diffusers layer's path), cuDNN and flash are also
 timed in turns over ``--rounds`` rounds: the per-round ratios ("paired") cancel the drift of the
 host's speed that single figures carry.

@@ -286,12 +286,10 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> bool:
 
 
 def splits_wave(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether a call's grid splits its last wave (:func:`tail_split`): a second launch and a
+    """Whether a call's grid (:func:`grid_for`) splits its last wave: a second launch and a
     workspace, which cost an eager call host time."""
     B, H, Nq, D = q.shape
-    block_m, block_n, _, consumers = config_for(D)
-    tiles = triton.cdiv(Nq, block_m * consumers) * B * H
-    return tail_split(tiles, sm_count(q.get_device()), triton.cdiv(k.shape[2], block_n))[1] > 1
+    return grid_for(B * H, Nq, k.shape[2], sm_count(q.get_device()), config_for(D)).pieces > 0
 
 
 def disable(err: Exception) -> None:
