@@ -312,16 +312,14 @@ def launch_policy(gluon: bool = True, gluon_min_flop: float | None = None, whole
 
     repeats: dict = {}
 
-    def by_size(q, k, v, mask, return_lse=False) -> bool:
-        return flash_fwd_hopper.serves(q, k, v, mask) and (
-            forward._capture_depth > 0 or 4 * q.numel() * k.shape[2] >= forward.EAGER_GLUON_MIN_FLOP)
-
     @contextlib.contextmanager
     def policy():
         saved = faults.repeats, flash_fwd_hopper.ENABLED, forward.EAGER_GLUON_MIN_FLOP, forward.gluon_serves
+        shipped = saved[3]
         faults.repeats, flash_fwd_hopper.ENABLED = repeats, gluon
         forward.EAGER_GLUON_MIN_FLOP = saved[2] if gluon_min_flop is None else gluon_min_flop
-        forward.gluon_serves = saved[3] if whole_grids else by_size
+        # By size alone is the rule the shipped policy keeps for calls with gradients.
+        forward.gluon_serves = shipped if whole_grids else (lambda q, k, v, mask, return_lse=False: shipped(q, k, v, mask, True))
         try:
             yield
         finally:
