@@ -281,6 +281,32 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+HOST_PROBE_LAUNCHES = 2000  # a run of launches long enough for the timer, short of the launch queue's filling up
+
+
+def host_launch_us(launches: int = HOST_PROBE_LAUNCHES, runs: int = 5) -> float | None:
+    """The host's time to enqueue one small CUDA kernel (an in-place add on one element), in µs:
+    the median of ``runs`` runs of ``launches`` launches, none waited for; None without CUDA.
+
+    An eager diffusers step is bound by this host work, and the lent machines' hosts differ in it
+    by more than 2x on one card model (SD 1.5 512²'s stock eager step: 18 ms on one H100 host and
+    39-46 ms on another, 2026-12-07), so every figure that the host bounds needs this beside it."""
+    if not torch.cuda.is_available():
+        return None
+    x = torch.zeros(1, device="cuda")
+    for _ in range(100):  # warm-up: the kernel's first launch loads it
+        x.add_(1)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        times.append((time.perf_counter() - start) / launches * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def environment() -> dict:
     import diffusers
     import triton
@@ -298,6 +324,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "diffusers": diffusers.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "host_launch_us": host_launch_us(),
     }
 
 

@@ -34,7 +34,9 @@ noise images up to fp16 rounding). The last lines are a table, one row per confi
 run's steady s/it (host bursts only ever add time) and every run's, with ratios to ``stock``'s best
 in the same call, and the median run's: a whole process can run at one of two speeds on those hosts
 (at SD 1.5 512² on an H200, 26-29 or 43-45 ms a step, stock and sdpatch alike), which the best run
-of a few hides from one configuration and not from another.
+of a few hides from one configuration and not from another. The host's time to enqueue a small
+kernel, before and after the runs, goes beside them (``host_launch_us``): the eager configurations are
+bound by it, and it differs from host to host on one card model.
 """
 
 from __future__ import annotations
@@ -185,6 +187,7 @@ def main() -> int:
         worker(args.worker, *presets[0], args.steps, Path(args.image), Path(args.json))
         return 0
     configs = [c for c in CONFIGS if not args.only or c in args.only.split(",")]
+    host_before = host_probe()
     work = Path(tempfile.mkdtemp(prefix="bench_e2e-"))
     rows = []
     for preset, size in presets:
@@ -200,10 +203,24 @@ def main() -> int:
                       and "image" in r), None)
         if stock and "image" in row:
             row["psnr_vs_stock_db"] = psnr(Path(stock["image"]), Path(row["image"]))
+    host = [host_before, host_probe()]
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"host_launch_us": host, "rows": rows}, indent=1))
+    print("host: " + ", ".join("–" if h is None else f"{h:.2f}" for h in host)
+          + " µs to enqueue a small kernel, before and after the runs (scripts/_bench.py's host_launch_us)")
     print_table(rows)
     return 0
+
+
+def host_probe() -> float | None:
+    """:func:`_bench.host_launch_us`, in a process of its own: this one holds no CUDA context, and
+    leaves the GPU to the runs' processes."""
+    run = subprocess.run([sys.executable, "-c", "from _bench import host_launch_us; print(host_launch_us())"],
+                         cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=300)
+    try:
+        return float(run.stdout.split()[-1])
+    except (ValueError, IndexError):  # no CUDA ("None"), or the probe failed
+        return None
 
 
 def best_runs(rows: list[dict]) -> list[dict]:

@@ -46,6 +46,9 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-540}
 END=$(( $(date +%s) + ${BUDGET_S:-570} ))
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$W/gpus.txt"
 python3 -c "import torch, triton, diffusers, sdpatch; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'sdpatch', sdpatch.__file__)" | tee -a "$W/gpus.txt"
+# The host's time to enqueue a small kernel (scripts/_bench.py): what bounds eager steps, and what
+# differs between the lent hosts of one card model.
+python3 -c "import sys; sys.path.insert(0, '$REPO/scripts'); from _bench import host_launch_us; print(f'host: {host_launch_us():.2f} us to enqueue a small kernel')" | tee -a "$W/gpus.txt"
 ngpu=$(nvidia-smi --list-gpus | wc -l)
 
 collect() {  # everything small under $W, atomically, so that a cut-off call still returns it
