@@ -281,7 +281,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-HOST_PROBE_LAUNCHES = 2000  # a run of launches long enough for the timer, short of the launch queue's filling up
+# Launches a probe run times: thousands of microseconds, long against the timer's resolution. The GPU
+# runs each one-element add faster than a host enqueues it, so the queue never fills and the time is the host's.
+HOST_PROBE_LAUNCHES = 2000
 
 
 def host_launch_us(launches: int = HOST_PROBE_LAUNCHES, runs: int = 5) -> float | None:
