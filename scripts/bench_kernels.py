@@ -142,14 +142,15 @@ def measure_graph(row: Row, impl: str, fn, flops: float) -> None:
 
 
 class triton_two_pass:
-    """Within: the backward's dK and dV from the Triton kernel, not the Gluon one (new plans)."""
+    """Within: the backward on the Triton kernels' two passes, not the Gluon ones (new plans)."""
 
     def __enter__(self):
-        self.enabled, flash_bwd_hopper.ENABLED = flash_bwd_hopper.ENABLED, False
+        self.saved = flash_bwd_hopper.ENABLED, flash_bwd_hopper.ONE_PASS
+        flash_bwd_hopper.ENABLED = flash_bwd_hopper.ONE_PASS = False
         flash_bwd._bwd_plans.clear()
 
     def __exit__(self, *exc):
-        flash_bwd_hopper.ENABLED = self.enabled
+        flash_bwd_hopper.ENABLED, flash_bwd_hopper.ONE_PASS = self.saved
         flash_bwd._bwd_plans.clear()
 
 
@@ -378,7 +379,8 @@ def run_case(c: Case, rounds: int) -> Row:
         measure_graph(row, "sdpatch", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
         ref_kv = head_grads_ref(qd, kd, vd, do)
         row.grad_errs["sdpatch"] = grad_errs(flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), ref_kv)
-        if flash_bwd_hopper.serves(qd, kd, vd, do, None):  # SDPATCH_GLUON_BWD=1: the Triton kernels' two passes beside
+        if flash_bwd_hopper.one_pass_serves(qd, kd, vd, do, None) or flash_bwd_hopper.serves(qd, kd, vd, do, None):
+            # a Gluon backward served: the Triton kernels' two passes beside
             with triton_two_pass():
                 measure_graph(row, "two pass", lambda: flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), flops)
                 row.grad_errs["two pass"] = grad_errs(flash_attn_bwd(do, qd, kd, vd, out_f, lse, scale), ref_kv)

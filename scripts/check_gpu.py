@@ -70,6 +70,7 @@ CASES = [
     (2, 10, 4096, 4096, 64, torch.float16, None, "bnhd"),
     (2, 10, 4096, 4096, 64, torch.float16, None, "fused"),  # fuse_qkv_projections: its output laid out unlike q
     (2, 20, 1024, 1024, 64, torch.float16, None, "bnhd"),  # SDXL's level 3: on an H200, tiles of two sizes
+    (1, 3, 2050, 2050, 40, torch.bfloat16, None, "contiguous"),  # the one-pass backward's partial tiles
     (1, 4, 97, 97, 40, torch.float32, "bool", "contiguous"),
     (1, 2, 1, 1, 1, torch.float16, None, "contiguous"),
     (1, 1, 4096, 4096, 512, torch.float16, None, "contiguous"),

@@ -1,12 +1,13 @@
-"""The Gluon Hopper dK/dV kernel (``sdpatch/kernels/flash_bwd_hopper.py``) at the backward's SD shapes:
-each candidate tile config's kernel time and its dK, dV against float64, beside the whole backward
-on the Triton kernels' two passes, on the Gluon dK/dV path, and cuDNN's, in one run.
+"""The Gluon Hopper backward kernels (``sdpatch/kernels/flash_bwd_hopper.py``) at the backward's SD
+shapes: each candidate tile config's kernel time and gradients against float64 (the one-pass kernel,
+the dK/dV and dQ kernels), beside the whole backward on the Triton kernels' two passes, on the
+one-pass path, on the Gluon dK/dV path, and cuDNN's, in one run.
 
     python scripts/sweep_gluon_bwd.py --json sweep_gluon_bwd.json [--only hd64]
 
 Kernel time by CUDA-graph replay; TFLOP/s count the backward's 2.5x the forward's 4·B·H·N²·D, the
-dK/dV kernel's share of it 4/7 (four of the two passes' seven products). Inputs are laid out as
-diffusers' processors pass them: (B, N, H, D) memory viewed as (B, H, N, D).
+dK/dV kernel's share of it 4/7 (four of the two passes' seven products), the dQ kernel's 3/7. Inputs
+are laid out as diffusers' processors pass them: (B, N, H, D) memory viewed as (B, H, N, D).
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ from sdpatch.kernels.runtime import on_device
 
 from _bench import environment, graph_tflops, rel_err
 
-CASES = [("hd40 4096", 2, 8, 4096, 40), ("hd40 16384", 2, 8, 16384, 40), ("hd64 4096", 2, 10, 4096, 64),
+CASES = [("hd40 1000", 1, 3, 1000, 40), ("hd40 4096", 2, 8, 4096, 40), ("hd40 16384", 2, 8, 16384, 40), ("hd64 4096", 2, 10, 4096, 64),
          ("hd80 4096", 2, 8, 4096, 80), ("hd64 1024", 2, 20, 1024, 64), ("hd128 4096", 2, 8, 4096, 128)]
 # (BLOCK_M, BLOCK_N, STAGES, CONSUMERS) (flash_bwd_hopper.config_for). On 2026-12-06 (H100) 128-query
 # steps and three consumers, which spill, ran at 0.55-0.85x two consumers of 64 x 64, and a loop that
 # issued tile i+1's S^T and dP^T behind tile i's dV and dK at 0.80-0.82x the plain one.
 CANDIDATES = [(64, 64, 2, 2), (64, 64, 3, 2)]
+# The one-pass kernel's (flash_bwd_hopper.fused_config_for), head dims up to 64: at 80 its padded
+# 128-wide tiles spill (ptxas, sm_90a) and fill the shared memory.
+FUSED_CANDIDATES = [(64, 64, 2, 2), (64, 64, 3, 2)]
+# ... each with S^T's and dP^T's MMAs over the padded head dim (the default), and the first also over
+# flash_bwd_hopper.mma_k's columns where fewer (48 at head dim 40).
+FUSED_MAX_HEAD_DIM = 64
 # The dQ kernel's (BLOCK_M queries a consumer owns, BLOCK_N keys a step, STAGES, CONSUMERS).
 DQ_CANDIDATES = [(64, 64, 2, 2), (64, 128, 2, 2), (64, 64, 3, 2), (64, 128, 3, 2)]
 
@@ -97,11 +104,11 @@ def run_case(name, B, H, N, D) -> dict:
                       "nan": int(t.isnan().sum()), "strays": None if bufs is None else strays(bufs[i])}
         return res
 
-    def try_config(key, share, launch, results) -> None:
+    def try_config(key, share, *launches, results) -> None:
         """One config's kernel time (its ``share`` of the backward's FLOPs) and ``results()``, or
         the error it raised: a config that does not build is a result."""
         try:
-            row["configs"][key] = {"tflops": graph_tflops(flops * share, launcher(q, launch)), **results()}
+            row["configs"][key] = {"tflops": graph_tflops(flops * share, launcher(q, *launches)), **results()}
         except Exception as e:  # noqa: BLE001
             row["configs"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(name, key, row["configs"][key], flush=True)
@@ -109,30 +116,44 @@ def run_case(name, B, H, N, D) -> dict:
     for cfg in DQ_CANDIDATES:
         (dq, bq), dl = guarded(q), torch.empty_like(delta)
         try_config("dq " + str(cfg), 3 / 7, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale, cfg),
-                   lambda: {"delta_err": rel_err(dl, delta), **check(["dq"], [dq], [bq])})
+                   results=lambda: {"delta_err": rel_err(dl, delta), **check(["dq"], [dq], [bq])})
 
     for cfg in CANDIDATES:
         (dk, bk), (dv, bv) = guarded(k), guarded(v)
         try_config(str(cfg), 4 / 7, flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale, cfg),
-                   lambda: check(["dk", "dv"], [dk, dv], [bk, bv]))
+                   results=lambda: check(["dk", "dv"], [dk, dv], [bk, bv]))
+
+    narrow = flash_bwd_hopper.mma_k(D)
+    fused = [(cfg, None) for cfg in FUSED_CANDIDATES]
+    fused += [(FUSED_CANDIDATES[0], narrow)] if narrow < flash_bwd_hopper.padded(D) else []
+    for cfg, reduce_k in fused if D <= FUSED_MAX_HEAD_DIM else []:
+        (dq, bq), (dk, bk), (dv, bv) = guarded(q), guarded(k), guarded(v)
+        try_config("one pass " + str(cfg) + (f" K{reduce_k}" if reduce_k else ""), 1,
+                   *flash_bwd_hopper.fused_launches(q, k, v, do, out, dq, dk, dv, lse, scale, cfg, reduce_k=reduce_k),
+                   results=lambda: check(["dq", "dk", "dv"], [dq, dk, dv], [bq, bk, bv]))
 
     (dq, bq), (dk, bk), (dv, bv), dl = guarded(q), guarded(k), guarded(v), torch.empty_like(delta)
     row["all_gluon"] = graph_tflops(flops, launcher(q, flash_bwd_hopper.dq_launch(q, k, v, do, out, dq, lse, dl, scale),
                                               flash_bwd_hopper.dkdv_launch(q, k, v, do, dk, dv, lse, dl, scale)))
     row["all_gluon_check"] = check(["dq", "dk", "dv"], [dq, dk, dv], [bq, bk, bv])
-    flash_bwd_hopper.ENABLED = True
-    flash_bwd._bwd_plans.clear()
-    row["gluon_path"] = graph_tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
-    g = flash_attn_bwd(do, q, k, v, out, lse, scale)
-    row["gluon_path_check"] = check(["dq", "dk", "dv"], g)
-    row["gluon_path_served"] = flash_bwd_hopper.serves(q, k, v, do, None)
-    flash_bwd_hopper.ENABLED = False
-    flash_bwd._bwd_plans.clear()
-    row["two_pass"] = graph_tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
-    t = flash_attn_bwd(do, q, k, v, out, lse, scale)
-    row["two_pass_check"] = check(["dq", "dk", "dv"], t)
+    saved = flash_bwd_hopper.ENABLED, flash_bwd_hopper.ONE_PASS
+
+    def path(name: str, enabled: bool, one_pass: bool):
+        """The whole backward (flash_attn_bwd) with the Gluon kernels it may take so set: its kernel
+        time, its gradients' check, whether a Gluon kernel served; returns the gradients."""
+        flash_bwd_hopper.ENABLED, flash_bwd_hopper.ONE_PASS = enabled, one_pass
+        flash_bwd._bwd_plans.clear()
+        row[name] = graph_tflops(flops, lambda: flash_attn_bwd(do, q, k, v, out, lse, scale))
+        g = flash_attn_bwd(do, q, k, v, out, lse, scale)
+        row[name + "_check"] = check(["dq", "dk", "dv"], g)
+        row[name + "_served"] = (flash_bwd_hopper.one_pass_serves if one_pass else flash_bwd_hopper.serves)(q, k, v, do, None)
+        return g
+
+    path("one_pass_path", False, True)
+    path("gluon_path", True, False)
+    t = path("two_pass", False, False)
     row["gluon_vs_two_pass"] = {n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), t)}
-    flash_bwd_hopper.ENABLED = True
+    flash_bwd_hopper.ENABLED, flash_bwd_hopper.ONE_PASS = saved
     flash_bwd._bwd_plans.clear()
     aten = torch.ops.aten
     qc, kc, vc = (t.contiguous() for t in (q, k, v))
@@ -157,12 +178,15 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"env": environment(), "rows": rows}, f, indent=1)
-    print("| case | two pass | Gluon dK/dV path | both Gluon | cuDNN | " + " | ".join(f"dK/dV {c}" for c in CANDIDATES)
-          + " | " + " | ".join(f"dQ {c}" for c in DQ_CANDIDATES) + " |")
+    print("| case | two pass | one-pass path | Gluon dK/dV path | both Gluon | cuDNN | " + " | ".join(f"one pass {c}" for c in FUSED_CANDIDATES)
+          + " | " + " | ".join(f"dK/dV {c}" for c in CANDIDATES) + " | " + " | ".join(f"dQ {c}" for c in DQ_CANDIDATES) + " |")
     for r in rows:
-        cells = [f"{r['configs'][str(c)].get('tflops', 0):.0f}" for c in CANDIDATES]
+        cells = [f"{r['configs'].get('one pass ' + str(c), {}).get('tflops', 0):.0f}" for c in FUSED_CANDIDATES]
+        cells[0] += "".join(f" ({v.get('tflops', 0):.0f} K{k.split(' K')[1]})" for k, v in r["configs"].items()
+                            if k.startswith("one pass") and " K" in k)
+        cells += [f"{r['configs'][str(c)].get('tflops', 0):.0f}" for c in CANDIDATES]
         cells += [f"{r['configs']['dq ' + str(c)].get('tflops', 0):.0f}" for c in DQ_CANDIDATES]
-        print(f"| {r['case']} | {r['two_pass']:.0f} | {r['gluon_path']:.0f} | {r['all_gluon']:.0f} | {r['cudnn']:.0f} | "
+        print(f"| {r['case']} | {r['two_pass']:.0f} | {r['one_pass_path']:.0f}{'' if r['one_pass_path_served'] else ' (not served)'} | {r['gluon_path']:.0f} | {r['all_gluon']:.0f} | {r['cudnn']:.0f} | "
               + " | ".join(cells) + " |")
 
 

@@ -1,6 +1,7 @@
-"""The Gluon Hopper dK/dV kernel: which backward calls it takes, that it compiles for sm_90 on this
-triton, and that a failed launch hands the call to the Triton kernels. Gluon kernels do not run under
-the interpreter; scripts/check_gpu.py and scripts/sweep_gluon_bwd.py run this one against float64."""
+"""The Gluon Hopper backward kernels, the one-pass kernel and the dK/dV kernel: which backward calls
+they take, that they compile for sm_90 on this triton, that the one pass's Triton launches are right,
+and that a failed launch hands the call to the Triton kernels. Gluon kernels do not run under the
+interpreter; scripts/check_gpu.py and scripts/sweep_gluon_bwd.py run them against float64."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ GRAD_RTOL = 1e-4  # fp32 inputs through the interpreter, against float64
 
 
 def test_off_by_default_and_never_on_cpu_tensors():
-    assert os.environ.get("SDPATCH_GLUON_BWD") == "1" or not bh.ENABLED
-    q = torch.randn(1, 2, 512, 64)
+    assert os.environ.get("SDPATCH_GLUON_BWD") == "1" or not (bh.ENABLED or bh.ONE_PASS)
+    q = torch.randn(1, 2, 4096, 64)
     assert not bh.hopper_bwd_ok(q, q, q, q, None)
     assert not bh.serves(q, q, q, q, None)
+    assert not bh.one_pass_serves(q, q, q, q, None)
 
 
 SERVED = [  # (B, H, Nq, Nk, D, served): self-attention from MIN_KEYS tokens, head dims up to 128
@@ -91,17 +93,119 @@ def test_compiles_for_sm90(D, n, dtype):
     assert "st.global" in dq["ptx"]  # delta, for the dK/dV kernel
 
 
-def test_a_failed_launch_hands_the_call_to_the_triton_kernels(monkeypatch, caplog):
-    """A Gluon launch that raises costs one warning, not the call: the Triton dK/dV kernel serves it
-    and every later one."""
+# The one-pass kernel at head dims up to 64 (a padded 64-wide tile): hd40 as SD 1.5's, hd64 as SDXL's;
+# with S^T and dP^T over the padded head dim (0, the default) or over mma_k's 48 columns at hd40.
+FUSED_COMPILED = [(40, 1000, "float16", 0), (40, 1000, "float16", 48), (64, 4096, "bfloat16", 0)]
+
+FUSED_COMPILE = """
+import json, sys, torch, triton
+from sdpatch.kernels import flash_bwd_hopper as bh
+from sdpatch.kernels.runtime import CompileOnlyDriver
+
+D, n, dtype, reduce_k = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
+q = torch.empty(2, n, 3, D, dtype=dtype).transpose(1, 2)
+lse = torch.empty(q.shape[:3])
+triton.runtime.driver.set_active(CompileOnlyDriver())
+kernel, grid, args, consts = bh.fused_launches(q, q, q, q, q, torch.empty_like(q), torch.empty_like(q),
+                                               torch.empty_like(q), lse, 0.2, reduce_k=reduce_k or None)[1]
+built = kernel.warmup(*args, **consts, grid=grid)
+print(json.dumps({"ptx": built.asm["ptx"], "num_warps": built.metadata.num_warps, "grid": grid}))
+"""
+
+
+@pytest.mark.skipif(bh.gluon is None, reason="this triton has no Gluon Hopper API")
+@pytest.mark.parametrize("D,n,dtype,reduce_k", FUSED_COMPILED,
+                         ids=[f"D{d}-N{n}-{t}-K{k or 'padded'}" for d, n, t, k in FUSED_COMPILED])
+def test_one_pass_kernel_compiles_for_sm90(D, n, dtype, reduce_k):
+    """The one-pass kernel builds to an sm_90 binary: the dK/dV kernel's warp-specialized loop, plus
+    dQ's MMA over both consumers' keys (K = 128) from shared memory and its TMA reduce-add."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", FUSED_COMPILE, str(D), str(n), dtype, str(reduce_k)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.strip().splitlines()[-1])
+    ptx = built["ptx"]
+    block_m, block_n, _, consumers = bh.fused_config_for(D)
+    assert built["num_warps"] == 4 * consumers + 4
+    assert built["grid"][0] == -(-n // (consumers * block_n)) * 2 * 3
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{bh.consumer_regs(consumers)};", ptx)
+    # Per consumer: S^T and dP^T (K = the padded head dim, or reduce_k), dV and dK (K = BLOCK_M) and
+    # its dQ (K = CONSUMERS x BLOCK_N), each in k16 steps
+    steps = (2 * (reduce_k or bh.padded(D)) + 2 * block_m + consumers * block_n) // 16
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", ptx)) == consumers * steps
+    assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in ptx  # dQ's adds
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # dK and dV
+    assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global", ptx)  # Q, dO, K, V
+    assert "ex2.approx" in ptx
+
+
+PREP = [(1, 2, 70, 40, torch.float32), (2, 3, 64, 64, torch.float16), (1, 1, 5, 20, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("B,H,N,D,dtype", PREP, ids=[f"B{b}-H{h}-N{n}-D{d}-{str(t)[6:]}" for b, h, n, d, t in PREP])
+def test_one_pass_prep_and_cast(B, H, N, D, dtype):
+    """The one-pass backward's Triton launches around its Gluon kernel (here in the interpreter):
+    delta = rowsum(dO * O) and a zeroed workspace before it, dQ cast into q's layout after it."""
+    torch.manual_seed(0)
+    out, do = (torch.randn(B, N, H, D).to(dtype).transpose(1, 2) for _ in range(2))
+    width = bh.accumulator_width(D)
+    delta, acc = torch.empty(B, H, N), torch.full((B, H, N, width), float("nan"))
+    launches = bh.prep_and_cast(out, do, torch.empty(0), delta, acc)
+    (prep, grid, args, consts), cast = launches
+    prep[grid](*args, **consts)
+    ref = (out.double() * do.double()).sum(-1)
+    assert ((delta.double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert bool((acc == 0).all())
+    acc.copy_(torch.randn(acc.shape))
+    dq = torch.empty(B, N, H, D, dtype=dtype).transpose(1, 2)
+    cast_kernel, grid, args, consts = bh.prep_and_cast(out, do, dq, delta, acc)[1]
+    cast_kernel[grid](*args, **consts)
+    # Within a unit in the last place: the interpreter rounds bf16 toward zero, the GPU to nearest.
+    torch.testing.assert_close(dq, acc[..., :D].to(dtype), rtol=torch.finfo(dtype).eps, atol=0)
+
+
+ONE_PASS_SERVED = [  # (B, H, Nq, Nk, D, served): self-attention from ONE_PASS_MIN_TOKENS, head dims up to 64
+    (2, 8, 4096, 4096, 40, True),  # SD 1.5 level 1 at 512²
+    (2, 8, 16384, 16384, 40, True),  # ... at 1024²
+    (2, 10, 4096, 4096, 64, True),  # SDXL level 2
+    (2, 20, 1024, 1024, 64, False),  # SDXL level 3: the two passes were faster
+    (2, 8, 4096, 4096, 80, False),  # a padded 128-wide tile
+    (2, 8, 4096, 77, 40, False),  # cross-attention
+]
+
+
+@pytest.mark.parametrize("B,H,Nq,Nk,D,served", ONE_PASS_SERVED,
+                         ids=[f"B{b}-H{h}-N{nq}x{nk}-D{d}" for b, h, nq, nk, d, _ in ONE_PASS_SERVED])
+def test_one_pass_serves(monkeypatch, B, H, Nq, Nk, D, served):
+    monkeypatch.setattr(bh, "hopper_bwd_ok", lambda q, k, v, do, mask: True)  # as on an H100
+    monkeypatch.setattr(bh, "_failed", [])
+    q, k = torch.empty(B, H, Nq, D, device="meta"), torch.empty(B, H, Nk, D, device="meta")
+    assert bh.ONE_PASS == (os.environ.get("SDPATCH_GLUON_BWD") == "1")
+    monkeypatch.setattr(bh, "ONE_PASS", True)  # SDPATCH_GLUON_BWD=1
+    assert bh.one_pass_serves(q, k, k, q, None) is served
+    with monkeypatch.context() as m:
+        m.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert not bh.one_pass_serves(q, k, k, q, None)  # its dQ adds land in any order
+    monkeypatch.setattr(bh, "ONE_PASS", False)  # SDPATCH_GLUON_BWD=0
+    assert not bh.one_pass_serves(q, k, k, q, None)
+
+
+# (the launcher that raises, the flag that turns its kernel on, the size it serves from)
+FAILED = [("dkdv_launch", "ENABLED", "MIN_KEYS"), ("fused_launches", "ONE_PASS", "ONE_PASS_MIN_TOKENS")]
+
+
+@pytest.mark.parametrize("launcher,flag,min_tokens", FAILED, ids=["dkdv", "one-pass"])
+def test_a_failed_launch_hands_the_call_to_the_triton_kernels(monkeypatch, caplog, launcher, flag, min_tokens):
+    """A Gluon launch that raises costs one warning, not the call: the Triton kernels' two passes
+    serve it and every later one."""
     def broken(*args, **kwargs):
         raise RuntimeError("no such Gluon op")
 
     monkeypatch.setattr(bh, "hopper_bwd_ok", lambda q, k, v, do, mask: True)
-    monkeypatch.setattr(bh, "ENABLED", True)  # SDPATCH_GLUON_BWD=1
-    monkeypatch.setattr(bh, "dkdv_launch", broken)
+    monkeypatch.setattr(bh, flag, True)  # SDPATCH_GLUON_BWD=1
+    monkeypatch.setattr(bh, launcher, broken)
     monkeypatch.setattr(bh, "_failed", [])
-    monkeypatch.setattr(bh, "MIN_KEYS", 16)
+    monkeypatch.setattr(bh, min_tokens, 16)
     flash_bwd._bwd_plans.clear()
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, 40, 16) for _ in range(4))

@@ -424,6 +424,7 @@ class _BwdPlan:
     tuned: tuple | None = None  # each kernel's (grid, scalars, constexprs, binary key) with the tuned tiles
     sums: tuple | None = None  # the partial-sum kernel's (grid, scalars, constexprs), with query splits
     hopper: bool = False  # dK and dV from the Gluon kernel (:mod:`.flash_bwd_hopper`), dQ from the Triton one
+    one_pass: bool = False  # dQ, dK and dV from the Gluon one-pass kernel (:func:`flash_bwd_hopper.fused_launches`)
     scale: float = 0.0
 
 
@@ -441,8 +442,10 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
     kind = mask_kind(mask)
     align = vector_align(q, k, v, do, out, *grads)
     block_da, block_db = tiling(D, split_head_dim, align, kind, Nq, Nk, backward=True)
-    on_hopper = hopper.serves(q, k, v, do, mask) and query_splits is None and not split_head_dim
-    splits = 1 if on_hopper else default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
+    pinned = query_splits is not None or split_head_dim
+    one_pass = not pinned and hopper.one_pass_serves(q, k, v, do, mask)
+    on_hopper = not pinned and not one_pass and hopper.serves(q, k, v, do, mask)
+    splits = 1 if on_hopper or one_pass else default_query_splits(Nq, Nk, B * H, q.device) if query_splits is None else query_splits
     assert 1 <= splits, f"query_splits must be >= 1, got {splits}"
     meta = {**kernel_meta(q, block_da, block_db, kind, align, scale), "ONE_KEY_BLOCK": Nk <= ONE_BLOCK_KEYS}
     # (dK/dV, dQ) tiles known before any call where the interpreter fixes them (it cannot autotune)
@@ -453,7 +456,8 @@ def _bwd_plan(do, q, k, v, out, grads, mask, scale, split_head_dim, query_splits
         configs = shipped_config("bwd", q.device, bwd_tune_key(Nq, Nk, q.dtype, meta))
         # A table made where the Gluon kernel took dK and dV has no dK/dV tiles (None).
         configs = tuple(configs) if configs and (on_hopper or configs[0]) else None
-    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs, hopper=on_hopper, scale=scale)
+    return _BwdPlan(meta, max(16, triton.next_power_of_2(D)), splits, configs, hopper=on_hopper, one_pass=one_pass,
+                    scale=scale)
 
 
 def bwd_tune_key(n_q: int, n_k: int, dtype: torch.dtype, meta: dict) -> str:
@@ -513,11 +517,16 @@ def flash_attn_bwd(
     key = (plan_key(q, k, v, mask, scale, False, split_head_dim, None), do.shape, do.stride(), out.stride(),
            do.data_ptr() % 16, out.data_ptr() % 16, lse.data_ptr() % 16, query_splits)
     plan = _bwd_plans.get(key)
-    if config is None and plan is not None and plan.tuned:  # the common case: a layout seen before
-        return _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask)
+    if config is None and plan is not None:  # the common case: a layout seen before
+        if plan.one_pass:
+            return _launch_one_pass(plan, do, q, k, v, out, lse, mask)
+        if plan.tuned:
+            return _launch_tuned(plan, plan.tuned, do, q, k, v, out, lse, mask)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # like q, k, v: one plan fits
     plan = cached_plan(_bwd_plans, key, lambda: _bwd_plan(do, q, k, v, out, (dq, dk, dv), mask, scale, split_head_dim, query_splits))
+    if config is None and plan.one_pass:
+        return _launch_one_pass(plan, do, q, k, v, out, lse, mask, (dq, dk, dv))
     BH, splits = B * H, plan.splits
     delta, (dk_out, dv_out) = _delta(q), _dkdv_targets(dk, dv, splits)
     dq_scalars, dkdv_scalars = _bwd_scalars(q, k, v, mask, do, out, dq, dk_out, dv_out, scale, splits)
@@ -604,6 +613,26 @@ def _launch_tuned(plan: _BwdPlan, tuned: tuple, do, q, k, v, out, lse, mask, buf
         launch(_bwd_dkdv_kernel, kv_grid, (q, k, v, mask, do, dk_out, dv_out, lse, delta, *kv_scalars), kv_consts,
                plan.binaries, kv_key)
         _sum_splits(plan, dk_out, dv_out, dk, dv)
+    return dq, dk, dv
+
+
+def _launch_one_pass(plan: _BwdPlan, do, q, k, v, out, lse, mask, grads: tuple | None = None):
+    """The backward on the one-pass Gluon kernel and its two small launches, into ``grads`` (dq, dk,
+    dv) or new ones. A launch that raises turns the Gluon backward off, as :func:`_launch_hopper`'s,
+    and the call starts over on the Triton kernels."""
+    dq, dk, dv = grads or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    bound = ("one pass", 1) in plan.binaries  # compiled at this layout: its binary takes bound descriptors
+    try:
+        with on_device(q):
+            for i, (kernel, grid, args, consts) in enumerate(
+                    hopper.fused_launches(q, k, v, do, out, dq, dk, dv, lse, plan.scale, bound=bound)):
+                launch(kernel, grid, args, consts, plan.binaries, ("one pass", i))
+    except torch.cuda.OutOfMemoryError:  # the Triton kernels need as much
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of an optional kernel turns it off)
+        hopper.disable(e)
+        _bwd_plans.clear()
+        return flash_attn_bwd(do, q, k, v, out, lse, plan.scale, mask)
     return dq, dk, dv
 
 
