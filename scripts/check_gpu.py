@@ -10,7 +10,8 @@
   its plan's tiles through Triton's JIT, and the calls after, straight to the compiled binary.
 - Rows with one live key get exactly zero dQ and dK shares (triton and chunked).
 - The Gluon Hopper forward (``sdpatch.kernels.flash_fwd_hopper``) against float64, and its
-  log-sum-exp against the Triton kernel's, wherever its layout rules take a case.
+  log-sum-exp against the Triton kernel's, wherever its layout rules take a case; the opt-in one-pass
+  Gluon backward (``sdpatch.kernels.flash_bwd_hopper``) against float64 wherever it would serve.
 Prints one line per check and exits non-zero if any fails.
 """
 
@@ -23,7 +24,8 @@ import sys
 import torch
 
 from sdpatch import attention
-from sdpatch.kernels import flash_fwd, flash_fwd_hopper, forward
+from sdpatch.kernels import flash_bwd, flash_bwd_hopper, flash_fwd, flash_fwd_hopper, forward
+from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.attention.naive import attention_ref
 
 from _bench import grid_variants, make_mask, peak_over
@@ -116,8 +118,33 @@ def check_case(B, H, Nq, Nk, D, dtype, mk, layout, call="") -> None:
         gr = torch.autograd.grad(attention_ref(q64, k64, v64, attn_mask=m1), (q64, k64, v64), do[:1, :2].double())
         errs = [rel(a[:1, :2], b) for a, b in zip(g, gr)]
         report(f"bwd triton {name}", max(errs) <= RTOL[dtype], "dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs))
+        if call == "" and m is None:
+            check_one_pass(*(t.detach() for t in (q, k, v)), do, gr, name)
     if call == "" and flash_fwd_hopper.hopper_fwd_ok(q, k, v, m):
         check_gluon(q.detach(), k.detach(), v.detach(), ref, name)
+
+
+def check_one_pass(q, k, v, do, ref, name) -> None:
+    """The one-pass Gluon backward (opt-in: SDPATCH_GLUON_BWD=1) against float64 (batch 0, heads 0
+    and 1), through the launch layer's three kinds of call (the JIT, then the binaries with bound
+    descriptors, twice), wherever it would serve with the opt-in on."""
+    saved = flash_bwd_hopper.ONE_PASS
+    flash_bwd_hopper.ONE_PASS = True
+    try:
+        if not flash_bwd_hopper.one_pass_serves(q, k, v, do, None):
+            return
+        scale = q.shape[-1] ** -0.5
+        out, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
+        flash_bwd._bwd_plans.clear()
+        for call in ("", " call 2", " call 3"):
+            grads = flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, scale)
+            errs = [rel(a[:1, :2], b) for a, b in zip(grads, ref)]
+            ok = max(errs) <= RTOL[q.dtype] and not flash_bwd_hopper._failed
+            report(f"bwd one pass {name}{call}", ok, "dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs)
+                   + (f"; the launch failed: {flash_bwd_hopper._failed[-1]}" if flash_bwd_hopper._failed else ""))
+    finally:
+        flash_bwd_hopper.ONE_PASS = saved
+        flash_bwd._bwd_plans.clear()
 
 
 def check_gluon(q, k, v, ref, name) -> None:
