@@ -25,7 +25,6 @@ import torch
 
 from sdpatch import attention
 from sdpatch.kernels import flash_bwd, flash_bwd_hopper, flash_fwd, flash_fwd_hopper, forward
-from sdpatch.kernels.forward import flash_attn_fwd
 from sdpatch.attention.naive import attention_ref
 
 from _bench import grid_variants, make_mask, peak_over
@@ -134,7 +133,7 @@ def check_one_pass(q, k, v, do, ref, name) -> None:
         if not flash_bwd_hopper.one_pass_serves(q, k, v, do, None):
             return
         scale = q.shape[-1] ** -0.5
-        out, lse = flash_attn_fwd(q, k, v, scale, return_lse=True)
+        out, lse = forward.flash_attn_fwd(q, k, v, scale, return_lse=True)
         flash_bwd._bwd_plans.clear()
         for call in ("", " call 2", " call 3"):
             grads = flash_bwd.flash_attn_bwd(do, q, k, v, out, lse, scale)

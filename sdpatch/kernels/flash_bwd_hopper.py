@@ -537,10 +537,13 @@ if gluon is not None:
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-def _descriptor(t: torch.Tensor, rows: int, width: int, bound: bool):
+def _descriptor(t: torch.Tensor, rows: int, width: int, bound: bool, layout=None):
+    """A TMA descriptor of ``t`` in tiles of (rows, width), in ``layout`` (default: the swizzled one for
+    ``t``'s dtype), or with ``bound`` its :class:`BoundDescriptor`."""
     if bound:
         return BoundDescriptor(t, list(t.shape), list(t.stride()))
-    return fwd_hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width], _shared_layout(rows, width, t.dtype))
+    return fwd_hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, width],
+                                      layout or _shared_layout(rows, width, t.dtype))
 
 
 def dkdv_launch(q, k, v, do, dk, dv, lse, delta, scale: float, config: tuple[int, int, int, int] | None = None,
@@ -643,10 +646,10 @@ def _ds_layout(rows: int, cols: int, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _plain_layout(rank: int):
-    """An unswizzled shared layout for fp32 tiles: a TMA reduce-add takes a box as wide as the
+def _plain_layout():
+    """An unswizzled shared layout for 4-D fp32 tiles: a TMA reduce-add takes a box as wide as the
     tile's row only without swizzling (a 128-byte swizzle caps a box at 32 fp32 columns)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=rank)
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
 
 
 def mma_k(head_dim: int) -> int:
@@ -673,11 +676,7 @@ def fused_launches(q, k, v, do, out, dq, dk, dv, lse, scale: float, config: tupl
     acc = torch.empty(B, H, Nq, acc_w, device=q.device, dtype=torch.float32)
     descs = [_descriptor(t, r, dp, bound) for t, r in ((q, block_m), (k, block_n), (v, block_n), (do, block_m),
                                                          (dk, block_n), (dv, block_n))]
-    if bound:
-        descs.append(BoundDescriptor(acc, list(acc.shape), list(acc.stride())))
-    else:
-        descs.append(fwd_hopper.TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, 1, block_m, dp],
-                                                 _plain_layout(4)))
+    descs.append(_descriptor(acc, block_m, dp, bound, _plain_layout()))
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, DP=dp, DK=reduce_k or dp, STAGES=stages, CONSUMERS=consumers,
                   CONSUMER_REGS=consumer_regs(consumers), EVEN_N=Nk % (consumers * block_n) == 0,
                   DS_LAYOUT=_ds_layout(consumers * block_n, block_m, q.dtype), num_warps=4)
